@@ -1,0 +1,29 @@
+# `make test` is the project's one test command: it creates or updates .venv, installs
+# CPU torch and the package with its test extras, lints, and runs the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build lies on these machines' disk; never let pip pull a CUDA torch here.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dapo-installed
+
+.PHONY: test lint install clean
+
+test: $(STAMP)
+	$(PY) -m ruff check dapo_megatron tests
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check dapo_megatron tests
+	$(PY) -m ruff format --check dapo_megatron tests
+
+install: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,814 @@
+"""Typed run configuration: one dataclass per component, loaded strictly from YAML.
+
+Every setting of a run lives here, with its type, its default and a docstring, so that a
+misspelt key or a value of the wrong type is refused before any process starts instead of
+being ignored or discovered an hour into a job. A config is built in three steps:
+
+1. read the YAML file (a mapping of sections), apply dotted ``key=value`` overrides;
+2. check every key and type against the dataclasses (unknown key, wrong type: refused);
+3. fill the model shape from the HF ``config.json`` when one is named, then check the
+   cross-section rules (layout against world size and model shape, batch divisibility).
+
+Errors are :class:`ConfigError` and name where the value came from, the key, the value
+and the rule, e.g. ``run.yaml: parallel.tp_size=3 must divide model.num_attention_heads=40``.
+Validation explains and refuses; it never rewrites another setting. Nothing in this module
+imports the rest of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+COMMAND_LINE = "command line"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be run. The message names source, key, value and rule."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    """The policy model: a Qwen2 / Qwen2.5 decoder, described by its HF config or by hand."""
+
+    hf_config: Optional[str] = None
+    """Path to an HF ``config.json`` (or the folder holding it) of a Qwen2ForCausalLM. Shape
+    fields left unset below are read from it; a shape field set here that disagrees with it
+    is an error."""
+    num_layers: Optional[int] = None
+    """Number of transformer layers (HF ``num_hidden_layers``)."""
+    hidden_size: Optional[int] = None
+    """Width of the residual stream (HF ``hidden_size``)."""
+    ffn_hidden_size: Optional[int] = None
+    """Width of the SwiGLU MLP (HF ``intermediate_size``)."""
+    num_attention_heads: Optional[int] = None
+    """Number of query heads (HF ``num_attention_heads``)."""
+    num_query_groups: Optional[int] = None
+    """Number of key/value heads for grouped-query attention (HF ``num_key_value_heads``)."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size of the checkpoint, before Megatron's padding (HF ``vocab_size``)."""
+    max_position_embeddings: Optional[int] = None
+    """Longest sequence the RoPE tables are built for (HF ``max_position_embeddings``)."""
+    rms_norm_eps: Optional[float] = None
+    """Epsilon of every RMSNorm (HF ``rms_norm_eps``)."""
+    rope_theta: Optional[float] = None
+    """RoPE base frequency (HF ``rope_theta``, or ``rope_parameters.rope_theta``)."""
+    tie_word_embeddings: Optional[bool] = None
+    """Whether the output layer shares the input embedding matrix."""
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this times ``parallel.tp_size``; padded
+    entries never produce a token or a log-prob."""
+    params_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype: ``auto`` is bfloat16 on GPU (fp32 main weights in the optimizer)
+    and float32 on CPU."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation: Transformer Engine kernels when available on a GPU (``auto``),
+    or megatron's local spec."""
+    fp8: bool = False
+    """Use Transformer Engine fp8 GEMMs (GPU with TE only)."""
+    recompute_activations: bool = False
+    """Recompute each layer's activations in backward to save memory."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the actor is laid out over devices (or, on CPU, processes)."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the actor runs: ``cuda`` (NCCL), ``cpu`` (gloo, megatron-core redirected to the
+    CPU), or ``auto`` (CUDA when a GPU exists, else the CPU)."""
+    num_nodes: int = 1
+    """Number of nodes of the run."""
+    num_devices_per_node: int = 1
+    """GPUs per node (on the CPU runtime: processes per node). World size is
+    ``num_nodes * num_devices_per_node``."""
+    tp_size: int = 1
+    """Tensor-parallel size: splits attention heads, query groups and the vocabulary."""
+    pp_size: int = 1
+    """Pipeline-parallel size: splits the layers into consecutive stages."""
+    dp_size: Optional[int] = None
+    """Data-parallel size; when unset it is the world size divided by tp*pp*cp."""
+    cp_size: int = 1
+    """Context-parallel size: splits long sequences."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside tensor-parallel regions (needs tp_size > 1)."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Uneven pipeline split: layers on the first stage (the rest are split evenly)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Uneven pipeline split: layers on the last stage (the rest are split evenly)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (megatron's distributed optimizer)."""
+    timeout_minutes: int = 30
+    """Collective timeout; a hung rank fails the run after this long."""
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks of the actor."""
+        return self.num_nodes * self.num_devices_per_node
+
+
+@dataclass
+class RolloutConfig:
+    """Response generation by the rollout engines."""
+
+    engine: Literal["auto", "sglang", "hf"] = "auto"
+    """Engine: SGLang on GPU, transformers (``hf``) on CPU; ``auto`` picks by device."""
+    n_samples_per_prompt: int = 16
+    """Responses sampled per prompt (the group size G of the advantage)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold for training rollouts."""
+    top_k: int = -1
+    """Top-k sampling for training rollouts; -1 disables it."""
+    max_prompt_length: int = 2048
+    """Longest prompt in tokens; longer prompts are refused by the data loader."""
+    max_response_length: int = 20480
+    """Longest response in tokens (L_max); a response that reaches it is truncated."""
+    num_engines: int = 1
+    """Number of rollout engine instances."""
+    engine_tp_size: int = 1
+    """Tensor-parallel size of each rollout engine."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory an SGLang engine may use for weights and KV cache."""
+    colocate: bool = True
+    """Engines share the actor's GPUs (memory released while the actor trains)."""
+    weight_sync_bucket_mb: int = 512
+    """Size of the buckets in which weights are streamed to the engines."""
+    seed: int = 1234
+    """Seed of the rollout samplers."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The DAPO objective and its five techniques (see DAPO.md)."""
+
+    clip_ratio_low: float = 0.2
+    """epsilon_low of the decoupled clip: ratios below 1 - clip_ratio_low are clipped."""
+    clip_ratio_high: float = 0.28
+    """epsilon_high of the decoupled clip (Clip-Higher)."""
+    clip_ratio_c: Optional[float] = None
+    """Dual-clip bound for negative advantages (e.g. 3.0); unset disables it."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How token losses are aggregated: DAPO's global token mean, or the ablations."""
+    advantage_eps: float = 1e-6
+    """Added to the group standard deviation of the rewards."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal and sample more until the batch is full."""
+    max_num_gen_batches: int = 10
+    """Generation rounds allowed to fill one batch under dynamic sampling; 0 = unlimited."""
+    overlong_filter: bool = False
+    """Mask truncated responses out of the loss."""
+    overlong_buffer_enable: bool = True
+    """Add the soft overlong punishment to the reward."""
+    overlong_buffer_len: int = 4096
+    """L_cache of the soft overlong punishment, in tokens."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the soft overlong punishment."""
+    reward_fn: str = "dapo_math"
+    """Reward function: a registered name (``dapo_math``, ``math_verify``) or ``module:function``."""
+    reward_timeout_s: float = 5.0
+    """Time bound of one reward call; a call that exceeds it scores as wrong."""
+    use_kl_loss: bool = False
+    """Add a KL penalty to a reference model (DAPO uses none)."""
+    kl_loss_coef: float = 0.0
+    """Coefficient of the KL penalty when ``use_kl_loss`` is on."""
+
+
+@dataclass
+class DataConfig:
+    """Prompts and the batch sizes that consume them."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Parquet or JSONL files of training prompts (DAPO-Math schema)."""
+    val_files: list[str] = field(default_factory=list)
+    """Parquet or JSONL files of validation prompts."""
+    tokenizer: Optional[str] = None
+    """Folder of an HF tokenizer; defaults to the model's folder."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt (chat messages or text)."""
+    answer_key: str = "reward_model.ground_truth"
+    """Column holding the reference answer (dotted for nested fields)."""
+    train_batch_size: int = 512
+    """Prompts per rollout step that survive dynamic sampling."""
+    gen_batch_size: Optional[int] = None
+    """Prompts generated per round under dynamic sampling; defaults to ``train_batch_size``."""
+    mini_batch_size: int = 512
+    """Responses per gradient update; ``train_batch_size * n_samples_per_prompt`` must be
+    a multiple of it."""
+    shuffle: bool = True
+    """Shuffle the prompts every epoch."""
+    seed: int = 42
+    """Seed of the prompt shuffling."""
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop and the optimizer."""
+
+    seed: int = 1234
+    """Seed of model init and of megatron's RNG trackers."""
+    num_steps: int = 1000
+    """Rollout steps to run."""
+    micro_batch_max_tokens: int = 32768
+    """Token budget of one micro-batch; responses are packed up to it."""
+    lr: float = 1e-6
+    """Peak learning rate of Adam."""
+    lr_warmup_steps: int = 20
+    """Linear warm-up of the learning rate, in rollout steps; constant afterwards."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    val_every: int = 5
+    """Run validation every this many steps; 0 disables it."""
+    output_dir: str = "runs/dapo"
+    """Run folder: the resolved config, logs and (by default) checkpoints go here."""
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    tensorboard: bool = True
+    """Write metrics to TensorBoard under ``<output_dir>/tensorboard``."""
+    log_every: int = 1
+    """Print metrics to the console every this many steps."""
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Console log level."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron dist checkpoints of model, optimizer, scheduler, RNG and step."""
+
+    save_every: int = 20
+    """Save every this many steps; 0 disables saving."""
+    save_dir: Optional[str] = None
+    """Checkpoint folder; defaults to ``<output_dir>/checkpoints``."""
+    load_dir: Optional[str] = None
+    """Resume from the latest checkpoint here (any tp/pp layout)."""
+    keep_last: int = 3
+    """Number of checkpoints to keep; older ones are deleted after a successful save."""
+    async_save: bool = False
+    """Write checkpoints in the background."""
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The actor's device layout."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Response generation."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The DAPO objective."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and batch sizes."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Training loop and optimizer."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict, as it would be written in YAML."""
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML, loadable again by :func:`load_config`."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: Optional[str | os.PathLike], overrides: Optional[list[str]] = None) -> Config:
+    """Load, override, resolve and validate a config.
+
+    Args:
+        path: a YAML file; ``None`` starts from the defaults.
+        overrides: ``section.key=value`` strings applied on top of the file.
+
+    Raises:
+        ConfigError: anything wrong, with source, key, value and rule in the message.
+    """
+    source = str(path) if path is not None else "defaults"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read config file: {exc.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{source}: the top level must be a mapping of sections "
+                f"({', '.join(f.name for f in dataclasses.fields(Config))}), "
+                f"found {type(loaded).__name__}"
+            )
+        raw = loaded
+    sources: dict[str, str] = {}
+    config = _build(Config, raw, "", source, sources)
+    for override in overrides or []:
+        _apply_override(config, override)
+        sources[override.split("=", 1)[0].strip()] = COMMAND_LINE
+    resolve_model_shape(config.model, _Where(sources, source))
+    validate(config, sources=sources, default_source=source)
+    return config
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    """Build and validate a config from a nested dict (as parsed from YAML)."""
+    sources: dict[str, str] = {}
+    config = _build(Config, raw, "", source, sources)
+    resolve_model_shape(config.model, _Where(sources, source))
+    validate(config, sources=sources, default_source=source)
+    return config
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return f"list of {_type_name(item)}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
+    """Return ``value`` as type ``tp`` or raise _Mismatch.
+
+    Strict: the only conversions are int -> float, a numeric string -> float (PyYAML
+    reads ``1e-6`` as a string) and, for command-line text, the raw text -> str.
+    """
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, from_text=from_text)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise _Mismatch
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str) and from_text:
+            value = [value]
+        if not isinstance(value, list):
+            raise _Mismatch
+        return [_coerce(v, item, from_text=from_text) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                raise _Mismatch from None
+            if not math.isfinite(number):
+                raise _Mismatch
+            return number
+        raise _Mismatch
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    raise TypeError(f"unsupported config type {tp!r}")
+
+
+def _build(cls: type, raw: Any, prefix: str, source: str, sources: dict[str, str]) -> Any:
+    """Build dataclass ``cls`` from ``raw``, refusing unknown keys and wrong types."""
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {where} must be a mapping of keys, found {type(raw).__name__} {raw!r}")
+    hints = _type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"{source}: unknown key {dotted!r}; known keys of {where}: {', '.join(known)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, f"{dotted}.", source, sources)
+            continue
+        try:
+            kwargs[key] = _coerce(value, tp, from_text=False)
+        except _Mismatch:
+            raise ConfigError(
+                f"{source}: {dotted}={value!r} has the wrong type: expected {_type_name(tp)}, "
+                f"found {type(value).__name__}"
+            ) from None
+        sources[dotted] = source
+    return cls(**kwargs)
+
+
+def _apply_override(config: Config, override: str) -> None:
+    """Apply one ``section.key=value`` override in place, with type coercion."""
+    if "=" not in override:
+        raise ConfigError(f"{COMMAND_LINE}: override {override!r} must look like section.key=value")
+    dotted, text = (part.strip() for part in override.split("=", 1))
+    parts = dotted.split(".")
+    target: Any = config
+    for depth, part in enumerate(parts):
+        if not dataclasses.is_dataclass(target):
+            raise ConfigError(f"{COMMAND_LINE}: {dotted!r} is not a config key")
+        names = [f.name for f in dataclasses.fields(target)]
+        if part not in names:
+            where = ".".join(parts[:depth]) or "the top level"
+            raise ConfigError(f"{COMMAND_LINE}: unknown key {dotted!r}; known keys of {where}: {', '.join(names)}")
+        if depth < len(parts) - 1:
+            target = getattr(target, part)
+    name = parts[-1]
+    tp = _type_hints(type(target))[name]
+    if dataclasses.is_dataclass(tp):
+        raise ConfigError(
+            f"{COMMAND_LINE}: {dotted!r} is a section; override one of its keys, "
+            f"e.g. {dotted}.{dataclasses.fields(tp)[0].name}=..."
+        )
+    try:
+        parsed = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        parsed = text
+    try:
+        value = _coerce(parsed, tp, from_text=True)
+    except _Mismatch:
+        # A str field given text that YAML read as a number or bool keeps the text.
+        try:
+            value = _coerce(text, tp, from_text=True)
+        except _Mismatch:
+            raise ConfigError(
+                f"{COMMAND_LINE}: {dotted}={text} has the wrong type: expected {_type_name(tp)}"
+            ) from None
+    setattr(target, name, value)
+
+
+# --------------------------------------------------------------------------- model shape
+
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+
+# ModelConfig field -> HF config.json key.
+_HF_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "intermediate_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "max_position_embeddings",
+    "rms_norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "tie_word_embeddings": "tie_word_embeddings",
+}
+
+_SHAPE_FIELDS = tuple(_HF_KEYS)
+
+
+class _Where:
+    """Tells which file or the command line a dotted key came from."""
+
+    def __init__(self, sources: dict[str, str], default: str) -> None:
+        self.sources = sources
+        self.default = default
+
+    def __call__(self, *keys: str) -> str:
+        for key in keys:
+            if key in self.sources:
+                return self.sources[key]
+        return self.default
+
+
+def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
+    """Read the model shape from an HF Qwen2 ``config.json`` (file or folder).
+
+    Returns a dict keyed by :class:`ModelConfig` field names. Handles both spellings of
+    the RoPE base: top-level ``rope_theta`` (transformers 4.x, released Qwen2.5) and
+    ``rope_parameters.rope_theta`` (transformers 5.x).
+    """
+    path = Path(hf_config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"model.hf_config={str(hf_config)!r}: cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"model.hf_config={str(hf_config)!r}: {path} is not valid JSON: {exc}") from None
+    architectures = hf.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures) and hf.get("model_type") != "qwen2":
+        raise ConfigError(
+            f"model.hf_config={str(hf_config)!r}: unsupported architecture "
+            f"{architectures or hf.get('model_type')!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    shape: dict[str, Any] = {}
+    for name, key in _HF_KEYS.items():
+        value = hf.get(key)
+        if name == "rope_theta" and value is None:
+            value = (hf.get("rope_parameters") or {}).get("rope_theta")
+        if name == "num_query_groups" and value is None:
+            value = hf.get("num_attention_heads")
+        if name == "tie_word_embeddings" and value is None:
+            value = False
+        if value is None:
+            raise ConfigError(f"model.hf_config={str(hf_config)!r}: {path} has no {key!r}")
+        shape[name] = value
+    shape["rms_norm_eps"] = float(shape["rms_norm_eps"])
+    shape["rope_theta"] = float(shape["rope_theta"])
+    return shape
+
+
+def resolve_model_shape(model: ModelConfig, where: Any = None) -> None:
+    """Fill unset shape fields of ``model`` from its HF config; refuse disagreements."""
+    where = where or (lambda *keys: "config")
+    if model.hf_config is not None:
+        shape = read_hf_model_shape(model.hf_config)
+        for name, value in shape.items():
+            current = getattr(model, name)
+            if current is None:
+                setattr(model, name, value)
+            elif current != value:
+                raise ConfigError(
+                    f"{where('model.' + name)}: model.{name}={current!r} disagrees with "
+                    f"{_HF_KEYS[name]}={value!r} in model.hf_config={model.hf_config!r}; "
+                    f"remove model.{name} or point model.hf_config at the right model"
+                )
+    missing = [name for name in _SHAPE_FIELDS if getattr(model, name) is None]
+    if missing:
+        raise ConfigError(
+            f"{where('model.hf_config')}: model shape incomplete: {', '.join('model.' + m for m in missing)} "
+            f"unset; set model.hf_config to an HF config.json or give them explicitly"
+        )
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
+    """Vocabulary size after Megatron's padding to a multiple of ``divisor * tp_size``."""
+    multiple = make_vocab_size_divisible_by * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def pipeline_layer_split(num_layers: int, parallel: ParallelConfig) -> list[int]:
+    """Layers on each pipeline stage, or raise ValueError saying why the split is impossible."""
+    pp = parallel.pp_size
+    first = parallel.num_layers_in_first_pipeline_stage
+    last = parallel.num_layers_in_last_pipeline_stage
+    if pp == 1:
+        return [num_layers]
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    middle_stages = pp - (first is not None) - (last is not None)
+    if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
+        raise ValueError("uneven split does not add up")
+    if middle_stages and middle_layers % middle_stages:
+        raise ValueError("uneven split does not add up")
+    per_stage = middle_layers // middle_stages if middle_stages else 0
+    split = [per_stage] * pp
+    if first is not None:
+        split[0] = first
+    if last is not None:
+        split[-1] = last
+    return split
+
+
+def validate(config: Config, *, sources: Optional[dict[str, str]] = None, default_source: str = "config") -> None:
+    """Check the rules that span keys and sections; raise ConfigError on the first broken one."""
+    where = _Where(sources or {}, default_source)
+    m, p, r, a, d, t = (config.model, config.parallel, config.rollout, config.algorithm, config.data, config.trainer)
+
+    def fail(keys: tuple[str, ...], message: str) -> None:
+        raise ConfigError(f"{where(*keys)}: {message}")
+
+    def positive(section: Any, prefix: str, *names: str) -> None:
+        for name in names:
+            value = getattr(section, name)
+            if value is not None and value < 1:
+                fail((f"{prefix}.{name}",), f"{prefix}.{name}={value} must be at least 1")
+
+    positive(
+        p,
+        "parallel",
+        "num_nodes",
+        "num_devices_per_node",
+        "tp_size",
+        "pp_size",
+        "dp_size",
+        "cp_size",
+        "timeout_minutes",
+    )
+    positive(
+        m,
+        "model",
+        *[n for n in _SHAPE_FIELDS if n not in ("rms_norm_eps", "rope_theta", "tie_word_embeddings")],
+        "make_vocab_size_divisible_by",
+    )
+    positive(
+        r,
+        "rollout",
+        "n_samples_per_prompt",
+        "max_prompt_length",
+        "max_response_length",
+        "num_engines",
+        "engine_tp_size",
+        "weight_sync_bucket_mb",
+    )
+    positive(d, "data", "train_batch_size", "gen_batch_size", "mini_batch_size")
+    positive(t, "trainer", "num_steps", "micro_batch_max_tokens")
+
+    # Layout against the world size.
+    model_parallel = p.tp_size * p.pp_size * p.cp_size
+    if p.dp_size is None:
+        if p.world_size % model_parallel:
+            fail(
+                ("parallel.tp_size", "parallel.pp_size", "parallel.num_devices_per_node"),
+                f"world size {p.world_size} (parallel.num_nodes={p.num_nodes} x "
+                f"parallel.num_devices_per_node={p.num_devices_per_node}) must be divisible by "
+                f"tp_size*pp_size*cp_size={p.tp_size}*{p.pp_size}*{p.cp_size}={model_parallel}",
+            )
+    elif p.world_size != model_parallel * p.dp_size:
+        fail(
+            ("parallel.dp_size", "parallel.tp_size", "parallel.num_devices_per_node"),
+            f"world size {p.world_size} (parallel.num_nodes={p.num_nodes} x "
+            f"parallel.num_devices_per_node={p.num_devices_per_node}) must equal "
+            f"tp_size*pp_size*dp_size*cp_size={p.tp_size}*{p.pp_size}*{p.dp_size}*{p.cp_size}"
+            f"={model_parallel * p.dp_size}",
+        )
+    if p.sequence_parallel and p.tp_size == 1:
+        fail(("parallel.sequence_parallel",), "parallel.sequence_parallel=true needs parallel.tp_size > 1")
+
+    # Layout against the model shape.
+    if m.num_attention_heads % p.tp_size:
+        fail(
+            ("parallel.tp_size",),
+            f"parallel.tp_size={p.tp_size} must divide model.num_attention_heads={m.num_attention_heads}",
+        )
+    if m.num_query_groups % p.tp_size:
+        fail(
+            ("parallel.tp_size",),
+            f"parallel.tp_size={p.tp_size} must divide model.num_query_groups={m.num_query_groups}",
+        )
+    if m.num_attention_heads % m.num_query_groups:
+        fail(
+            ("model.num_query_groups", "model.hf_config"),
+            f"model.num_query_groups={m.num_query_groups} must divide model.num_attention_heads={m.num_attention_heads}",
+        )
+    uneven = p.num_layers_in_first_pipeline_stage is not None or p.num_layers_in_last_pipeline_stage is not None
+    if uneven and p.pp_size == 1:
+        fail(
+            ("parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage"),
+            "uneven pipeline stages are set but parallel.pp_size=1",
+        )
+    try:
+        pipeline_layer_split(m.num_layers, p)
+    except ValueError:
+        if not uneven:
+            fail(
+                ("parallel.pp_size",),
+                f"parallel.pp_size={p.pp_size} must divide model.num_layers={m.num_layers} "
+                f"(or set parallel.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage)",
+            )
+        fail(
+            ("parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage"),
+            f"parallel.num_layers_in_first_pipeline_stage={p.num_layers_in_first_pipeline_stage} and "
+            f"num_layers_in_last_pipeline_stage={p.num_layers_in_last_pipeline_stage} leave "
+            f"model.num_layers={m.num_layers} minus those layers, which must split evenly over the "
+            f"remaining stages of parallel.pp_size={p.pp_size}, each stage keeping at least one layer",
+        )
+    if p.pp_size > m.num_layers:
+        fail(("parallel.pp_size",), f"parallel.pp_size={p.pp_size} exceeds model.num_layers={m.num_layers}")
+    if m.hidden_size % m.num_attention_heads:
+        fail(
+            ("model.hidden_size",),
+            f"model.num_attention_heads={m.num_attention_heads} must divide model.hidden_size={m.hidden_size}",
+        )
+    if m.fp8 and m.transformer_impl == "local":
+        fail(("model.fp8",), "model.fp8=true needs model.transformer_impl=transformer_engine or auto")
+    if p.device == "cpu" and (m.fp8 or m.transformer_impl == "transformer_engine"):
+        fail(
+            ("model.transformer_impl", "model.fp8"),
+            f"model.transformer_impl={m.transformer_impl} / model.fp8={m.fp8} need a GPU but parallel.device=cpu",
+        )
+
+    # Algorithm.
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        value = getattr(a, name)
+        if not 0 <= value < 1 and name == "clip_ratio_low":
+            fail((f"algorithm.{name}",), f"algorithm.{name}={value} must be in [0, 1)")
+        if value < 0:
+            fail((f"algorithm.{name}",), f"algorithm.{name}={value} must be >= 0")
+    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
+        fail(("algorithm.clip_ratio_c",), f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual clip bound)")
+    if a.max_num_gen_batches < 0:
+        fail(
+            ("algorithm.max_num_gen_batches",),
+            f"algorithm.max_num_gen_batches={a.max_num_gen_batches} must be >= 0 (0 = unlimited)",
+        )
+    if a.overlong_buffer_enable and not 0 < a.overlong_buffer_len < r.max_response_length:
+        fail(
+            ("algorithm.overlong_buffer_len", "rollout.max_response_length"),
+            f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be > 0 and below "
+            f"rollout.max_response_length={r.max_response_length}",
+        )
+    if a.reward_timeout_s <= 0:
+        fail(("algorithm.reward_timeout_s",), f"algorithm.reward_timeout_s={a.reward_timeout_s} must be > 0")
+    if a.use_kl_loss and a.kl_loss_coef <= 0:
+        fail(
+            ("algorithm.kl_loss_coef",),
+            f"algorithm.kl_loss_coef={a.kl_loss_coef} must be > 0 when algorithm.use_kl_loss=true",
+        )
+
+    # Batches.
+    num_responses = d.train_batch_size * r.n_samples_per_prompt
+    if num_responses % d.mini_batch_size:
+        fail(
+            ("data.mini_batch_size",),
+            f"data.mini_batch_size={d.mini_batch_size} must divide data.train_batch_size x "
+            f"rollout.n_samples_per_prompt = {d.train_batch_size} x {r.n_samples_per_prompt} = {num_responses}",
+        )
+    dp_size = p.dp_size or p.world_size // model_parallel
+    if d.mini_batch_size % dp_size:
+        fail(
+            ("data.mini_batch_size",),
+            f"data.mini_batch_size={d.mini_batch_size} must be divisible by the data-parallel size {dp_size}",
+        )
+    if d.gen_batch_size is not None and d.gen_batch_size < d.train_batch_size and not a.dynamic_sampling:
+        fail(
+            ("data.gen_batch_size",),
+            f"data.gen_batch_size={d.gen_batch_size} is below data.train_batch_size={d.train_batch_size} without dynamic sampling",
+        )
+    if t.micro_batch_max_tokens < r.max_prompt_length + r.max_response_length:
+        fail(
+            ("trainer.micro_batch_max_tokens",),
+            f"trainer.micro_batch_max_tokens={t.micro_batch_max_tokens} must hold one full sequence: "
+            f"rollout.max_prompt_length + rollout.max_response_length = "
+            f"{r.max_prompt_length + r.max_response_length}",
+        )
+    if t.lr <= 0:
+        fail(("trainer.lr",), f"trainer.lr={t.lr} must be > 0")
+    if t.grad_clip < 0:
+        fail(("trainer.grad_clip",), f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    if t.lr_warmup_steps < 0:
+        fail(("trainer.lr_warmup_steps",), f"trainer.lr_warmup_steps={t.lr_warmup_steps} must be >= 0")
+
+
+def data_parallel_size(parallel: ParallelConfig) -> int:
+    """The data-parallel size, explicit or derived from the world size."""
+    return parallel.dp_size or parallel.world_size // (parallel.tp_size * parallel.pp_size * parallel.cp_size)

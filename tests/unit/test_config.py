@@ -1,0 +1,297 @@
+"""Config: strict YAML loading, overrides with coercion, HF shape reading, layout rules, CLI."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dapo_megatron import config as config_module
+from dapo_megatron.cli import main
+from dapo_megatron.config import Config, ConfigError, load_config, padded_vocab_size
+
+TINY = Path(__file__).parent.parent / "data" / "tiny_run.yaml"
+QWEN_32B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "max_position_embeddings": 131072,
+    "model_type": "qwen2",
+    "num_attention_heads": 40,
+    "num_hidden_layers": 64,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 152064,
+}
+
+
+def write_yaml(tmp_path: Path, data: dict, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def tiny(**sections) -> dict:
+    data = yaml.safe_load(TINY.read_text())
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return data
+
+
+def qwen32b_run(tmp_path: Path, **parallel) -> dict:
+    (tmp_path / "qwen").mkdir(exist_ok=True)
+    (tmp_path / "qwen" / "config.json").write_text(json.dumps(QWEN_32B))
+    data = tiny(parallel={"num_devices_per_node": 8, "tp_size": 8, "pp_size": 1, **parallel})
+    data["model"] = {"hf_config": str(tmp_path / "qwen")}
+    return data
+
+
+def error_of(path, overrides=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_tiny_config_loads_with_typed_values():
+    cfg = load_config(TINY)
+    assert cfg.parallel.tp_size == 2 and cfg.parallel.world_size == 4
+    # PyYAML reads `1e-6` as a string; a float field takes it as the number.
+    assert cfg.trainer.lr == 1e-6 and isinstance(cfg.trainer.lr, float)
+    assert cfg.algorithm.clip_ratio_c == 3.0
+    assert cfg.model.tie_word_embeddings is True
+    assert cfg.algorithm.clip_ratio_low == 0.2 and cfg.algorithm.clip_ratio_high == 0.28
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(TINY, ["trainer.lr=3e-4", "data.train_files=[a.parquet, b.parquet]"])
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(cfg.to_yaml())
+    again = load_config(dumped)
+    assert again == cfg
+    assert again.to_yaml() == cfg.to_yaml()
+
+
+def test_unknown_key_names_file_and_key(tmp_path):
+    path = write_yaml(tmp_path, tiny(parallel={"tp_sizee": 2}))
+    message = error_of(path)
+    assert message.startswith(f"{path}: unknown key 'parallel.tp_sizee'")
+    assert "tp_size" in message  # lists the known keys
+
+
+def test_unknown_section(tmp_path):
+    data = tiny()
+    data["optimizer"] = {"lr": 1.0}
+    message = error_of(write_yaml(tmp_path, data))
+    assert "unknown key 'optimizer'" in message and "trainer" in message
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        ("parallel", "tp_size", "two", "expected int, found str"),
+        ("parallel", "tp_size", 2.5, "expected int, found float"),
+        ("parallel", "pp_size", True, "expected int, found bool"),
+        ("logging", "tensorboard", "yes please", "expected bool, found str"),
+        ("algorithm", "loss_agg_mode", "sample-mean", "expected 'token-mean' | 'seq-mean-token-mean'"),
+        ("data", "train_files", 3, "expected list of str, found int"),
+        ("trainer", "lr", "fast", "expected float, found str"),
+    ],
+)
+def test_wrong_type(tmp_path, section, key, value, expected):
+    path = write_yaml(tmp_path, tiny(**{section: {key: value}}))
+    message = error_of(path)
+    assert f"{path}: {section}.{key}={value!r} has the wrong type" in message
+    assert expected in message
+
+
+def test_section_must_be_mapping(tmp_path):
+    data = tiny()
+    data["parallel"] = [1, 2]
+    assert "parallel must be a mapping" in error_of(write_yaml(tmp_path, data))
+
+
+def test_tp_must_divide_heads(tmp_path):
+    path = write_yaml(tmp_path, qwen32b_run(tmp_path, tp_size=3, num_devices_per_node=3))
+    assert error_of(path) == f"{path}: parallel.tp_size=3 must divide model.num_attention_heads=40"
+
+
+def test_tp_must_divide_query_groups(tmp_path):
+    # 40 heads split over tp=5, but 8 KV heads do not.
+    path = write_yaml(tmp_path, qwen32b_run(tmp_path, tp_size=5, num_devices_per_node=5))
+    assert error_of(path) == f"{path}: parallel.tp_size=5 must divide model.num_query_groups=8"
+
+
+def test_world_size_must_equal_product(tmp_path):
+    path = write_yaml(tmp_path, tiny(parallel={"dp_size": 2}))
+    message = error_of(path)
+    assert "world size 4" in message and "tp_size*pp_size*dp_size*cp_size=2*2*2*1=8" in message
+
+
+def test_world_size_must_be_divisible_when_dp_derived(tmp_path):
+    path = write_yaml(tmp_path, tiny(parallel={"num_devices_per_node": 6}))
+    assert "world size 6" in error_of(path) and "must be divisible by tp_size*pp_size*cp_size" in error_of(path)
+
+
+def test_layers_must_split_over_pp(tmp_path):
+    path = write_yaml(tmp_path, tiny(parallel={"pp_size": 3, "tp_size": 1, "num_devices_per_node": 3}))
+    message = error_of(path)
+    assert message.startswith(f"{path}: parallel.pp_size=3 must divide model.num_layers=4")
+    assert "num_layers_in_first_pipeline_stage" in message
+
+
+def test_uneven_pipeline_split_when_configured(tmp_path):
+    path = write_yaml(
+        tmp_path,
+        tiny(parallel={"pp_size": 3, "tp_size": 1, "num_devices_per_node": 3, "num_layers_in_first_pipeline_stage": 2}),
+    )
+    cfg = load_config(path)
+    assert config_module.pipeline_layer_split(cfg.model.num_layers, cfg.parallel) == [2, 1, 1]
+
+
+def test_uneven_pipeline_split_that_does_not_add_up(tmp_path):
+    path = write_yaml(
+        tmp_path,
+        tiny(parallel={"pp_size": 3, "tp_size": 1, "num_devices_per_node": 3, "num_layers_in_last_pipeline_stage": 3}),
+    )
+    assert "must split evenly over the remaining stages" in error_of(path)
+
+
+def test_mini_batch_must_divide_responses(tmp_path):
+    path = write_yaml(tmp_path, tiny(data={"mini_batch_size": 12}))
+    assert "data.mini_batch_size=12 must divide data.train_batch_size x rollout.n_samples_per_prompt = 8 x 4 = 32" in (
+        error_of(path)
+    )
+
+
+def test_overrides_with_type_coercion():
+    cfg = load_config(
+        TINY,
+        [
+            "parallel.tp_size=1",
+            "parallel.pp_size=4",
+            "trainer.lr=2e-5",
+            "algorithm.clip_ratio_c=null",
+            "logging.tensorboard=false",
+            "data.prompt_key=123",
+            "data.train_files=[x.parquet, y.parquet]",
+            "data.val_files=only.parquet",
+            "model.make_vocab_size_divisible_by=64",
+        ],
+    )
+    assert cfg.parallel.tp_size == 1 and cfg.parallel.pp_size == 4
+    assert cfg.trainer.lr == 2e-5
+    assert cfg.algorithm.clip_ratio_c is None
+    assert cfg.logging.tensorboard is False
+    assert cfg.data.prompt_key == "123"
+    assert cfg.data.train_files == ["x.parquet", "y.parquet"]
+    assert cfg.data.val_files == ["only.parquet"]
+    assert cfg.model.make_vocab_size_divisible_by == 64
+
+
+def test_override_errors_name_the_command_line():
+    assert error_of(TINY, ["parallel.tp=2"]).startswith("command line: unknown key 'parallel.tp'")
+    assert error_of(TINY, ["parallel.tp_size=two"]) == (
+        "command line: parallel.tp_size=two has the wrong type: expected int"
+    )
+    assert "must look like section.key=value" in error_of(TINY, ["parallel.tp_size"])
+    assert "is a section" in error_of(TINY, ["parallel=1"])
+    # An override that breaks a layout rule is blamed on the command line.
+    assert error_of(TINY, ["parallel.tp_size=3", "parallel.num_devices_per_node=6"]) == (
+        "command line: parallel.tp_size=3 must divide model.num_attention_heads=8"
+    )
+
+
+def test_model_shape_from_hf_config_both_rope_spellings(tmp_path):
+    from transformers import Qwen2Config
+
+    Qwen2Config(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=12345.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ).save_pretrained(tmp_path / "hf5")
+    saved = json.loads((tmp_path / "hf5" / "config.json").read_text())
+    old_style = dict(QWEN_32B)
+    (tmp_path / "hf4").mkdir()
+    (tmp_path / "hf4" / "config.json").write_text(json.dumps(old_style))
+    new = config_module.read_hf_model_shape(tmp_path / "hf5")
+    old = config_module.read_hf_model_shape(tmp_path / "hf4" / "config.json")
+    assert new["rope_theta"] == 12345.0 and new["num_query_groups"] == 2 and new["tie_word_embeddings"] is True
+    assert saved.get("rope_theta") is None or saved["rope_theta"] == 12345.0
+    assert old["rope_theta"] == 1e6 and old["num_layers"] == 64 and old["ffn_hidden_size"] == 27648
+
+
+def test_hf_shape_conflict_and_unsupported_architecture(tmp_path):
+    data = qwen32b_run(tmp_path)
+    data["model"]["num_layers"] = 48
+    message = error_of(write_yaml(tmp_path, data))
+    assert "model.num_layers=48 disagrees with num_hidden_layers=64" in message
+    bad = dict(QWEN_32B, architectures=["LlamaForCausalLM"], model_type="llama")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(bad))
+    data = qwen32b_run(tmp_path)
+    data["model"]["hf_config"] = str(tmp_path / "llama")
+    message = error_of(write_yaml(tmp_path, data, "llama.yaml"))
+    assert "unsupported architecture ['LlamaForCausalLM']" in message and "Qwen2ForCausalLM" in message
+
+
+def test_incomplete_model_shape(tmp_path):
+    data = tiny()
+    del data["model"]["hidden_size"]
+    assert "model.hidden_size unset" in error_of(write_yaml(tmp_path, data))
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(152064, 128, 8) == 152576
+    assert padded_vocab_size(152064, 128, 2) == 152064
+    assert padded_vocab_size(1000, 128, 2) == 1024
+
+
+def test_every_field_has_a_docstring():
+    tree = ast.parse(Path(config_module.__file__).read_text())
+    sections = [c for c in vars(config_module).values() if dataclasses.is_dataclass(c) and isinstance(c, type)]
+    assert Config in sections and len(sections) == 9
+    for node in tree.body:
+        if not (isinstance(node, ast.ClassDef) and any(node.name == c.__name__ for c in sections)):
+            continue
+        body = node.body
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.AnnAssign):
+                following = body[i + 1] if i + 1 < len(body) else None
+                is_doc = isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant)
+                assert is_doc, f"{node.name}.{stmt.target.id} has no docstring"
+
+
+def test_cli_config_prints_resolved_yaml(capsys):
+    assert main(["config", str(TINY), "parallel.tp_size=4", "parallel.pp_size=1"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["parallel"]["tp_size"] == 4 and printed["trainer"]["lr"] == 1e-6
+
+
+def test_cli_refuses_with_exit_status_2(tmp_path, capsys):
+    path = write_yaml(tmp_path, tiny(parallel={"tp_size": 3, "num_devices_per_node": 6}))
+    assert main(["config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: parallel.tp_size=3 must divide model.num_attention_heads=8" in err
+
+
+def test_console_script_help_and_exit_status(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "dapo_megatron", "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "config" in ok.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "dapo_megatron", "config", str(tmp_path / "nope.yaml")], capture_output=True, text=True
+    )
+    assert missing.returncode == 2 and "nope.yaml: cannot read config file" in missing.stderr
