@@ -1,0 +1,257 @@
+"""Reward functions by name, and a runner that bounds every call in time.
+
+A reward function maps ``(response, ground_truth)`` to a :class:`RewardResult` (or a
+number, or a dict with ``score``). Functions are found by a registered name
+(``dapo_math``, ``math_verify``) or as ``module:function`` for a user's own.
+
+Nothing a reward function does may hang the trainer. Functions registered as
+``bounded`` (their running time is bounded by construction, like ``dapo_math``, which
+reads a fixed-size tail of the response) run in-process; the rest run in a worker
+process that :class:`RewardScorer` kills and restarts when a call exceeds
+``timeout_s``. Either way a call that exceeds the bound scores as wrong and is counted in
+the ``timeouts`` metric; a call that raises scores as wrong and is counted in ``errors``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+import multiprocessing
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """The outcome of scoring one response."""
+
+    score: float
+    """Reward: +1 correct, -1 wrong for the built-in functions."""
+    correct: bool
+    """Whether the response's answer matched the ground truth."""
+    prediction: Optional[str]
+    """The answer extracted from the response (normalised), or None if none was found."""
+    timed_out: bool = False
+    """The call exceeded the time bound and was scored as wrong."""
+    error: Optional[str] = None
+    """The reward function raised (or returned something unusable); scored as wrong."""
+
+
+RewardFn = Callable[[str, str], Any]
+
+
+@dataclass(frozen=True)
+class _Registered:
+    fn: RewardFn
+    bounded: bool
+
+
+_REGISTRY: dict[str, _Registered] = {}
+
+
+def register_reward(name: str, *, bounded: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under ``name``.
+
+    ``bounded=True`` promises that the function's running time is bounded whatever the
+    input (it then runs in-process); otherwise it runs in a killable worker process.
+    """
+
+    def decorate(fn: RewardFn) -> RewardFn:
+        _REGISTRY[name] = _Registered(fn, bounded)
+        return fn
+
+    return decorate
+
+
+def _ensure_builtins() -> None:
+    # Importing the modules registers them.
+    from dapo_megatron.algo.rewards import dapo_math, math_verify_reward  # noqa: F401
+
+
+def available_rewards() -> list[str]:
+    """Names of the registered reward functions."""
+    _ensure_builtins()
+    return sorted(_REGISTRY)
+
+
+def resolve_reward(name: str) -> tuple[RewardFn, bool]:
+    """``(function, bounded)`` for a registered name or a ``module:function`` path."""
+    _ensure_builtins()
+    if name in _REGISTRY:
+        entry = _REGISTRY[name]
+        return entry.fn, entry.bounded
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"reward {name!r}: cannot import module {module_name!r}: {exc}") from None
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            raise ValueError(f"reward {name!r}: module {module_name!r} has no function {attr!r}")
+        return fn, False
+    raise ValueError(
+        f"unknown reward {name!r}; registered: {', '.join(available_rewards())}, or name your own as module:function"
+    )
+
+
+def to_result(value: Any) -> RewardResult:
+    """Turn what a reward function returned into a RewardResult (or raise TypeError)."""
+    if isinstance(value, RewardResult):
+        return value
+    if isinstance(value, bool):
+        raise TypeError("a reward function returned a bool; return a number or a RewardResult")
+    if isinstance(value, (int, float)):
+        return RewardResult(score=float(value), correct=value > 0, prediction=None)
+    if isinstance(value, dict) and "score" in value:
+        score = float(value["score"])
+        return RewardResult(
+            score=score, correct=bool(value.get("correct", score > 0)), prediction=value.get("prediction")
+        )
+    raise TypeError(f"a reward function returned {type(value).__name__}; expected a number, dict or RewardResult")
+
+
+def _call(fn: RewardFn, response: str, ground_truth: str) -> RewardResult:
+    try:
+        return to_result(fn(response, ground_truth))
+    except Exception as exc:  # a reward function's bug must not stop training
+        return RewardResult(score=-1.0, correct=False, prediction=None, error=f"{type(exc).__name__}: {exc}")
+
+
+def _worker_main(conn, name: str) -> None:
+    """Worker process loop: resolve the function once, then score requests until None."""
+    try:
+        fn, _ = resolve_reward(name)
+    except Exception as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        conn.send(_call(fn, *request))
+
+
+class RewardScorer:
+    """Scores responses with one reward function, each call bounded by ``timeout_s``."""
+
+    def __init__(self, name: str, timeout_s: float = 5.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        self.name = name
+        self.timeout_s = timeout_s
+        self._fn, self._bounded = resolve_reward(name)
+        self._process = None
+        self._conn = None
+        self._counts = {"calls": 0, "correct": 0, "timeouts": 0, "errors": 0}
+        self._warned_error = False
+        atexit.register(self.close)
+
+    def _timed_out(self) -> RewardResult:
+        return RewardResult(score=-1.0, correct=False, prediction=None, timed_out=True)
+
+    def _start_worker(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        self._process = context.Process(target=_worker_main, args=(child, self.name), daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+        if not parent.poll(_STARTUP_TIMEOUT_S):
+            self.close()
+            raise RuntimeError(f"reward worker for {self.name!r} did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+        status, detail = parent.recv()
+        if status != "ready":
+            self.close()
+            raise RuntimeError(f"reward worker for {self.name!r} failed to start: {detail}")
+
+    def _score_in_worker(self, response: str, ground_truth: str) -> RewardResult:
+        if self._process is None or not self._process.is_alive():
+            self._start_worker()
+        try:
+            self._conn.send((response, ground_truth))
+            if self._conn.poll(self.timeout_s):
+                return self._conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            self.close()
+            return RewardResult(score=-1.0, correct=False, prediction=None, error=f"reward worker died: {exc}")
+        # Over the bound: the worker may be stuck forever; kill it, a new one starts next call.
+        self.close()
+        return self._timed_out()
+
+    def score(self, response: str, ground_truth: str) -> RewardResult:
+        """Score one response; never raises for anything the reward function does."""
+        if self._bounded:
+            start = time.perf_counter()
+            result = _call(self._fn, response, ground_truth)
+            if time.perf_counter() - start > self.timeout_s:
+                result = self._timed_out()
+        else:
+            result = self._score_in_worker(response, ground_truth)
+        self._counts["calls"] += 1
+        self._counts["correct"] += int(result.correct)
+        self._counts["timeouts"] += int(result.timed_out)
+        if result.error is not None:
+            self._counts["errors"] += 1
+            if not self._warned_error:
+                self._warned_error = True
+                logger.warning("reward %r raised, scoring as wrong (reported once): %s", self.name, result.error)
+        return result
+
+    def score_batch(
+        self, responses: Sequence[str], ground_truths: Sequence[str]
+    ) -> tuple[list[RewardResult], dict[str, float]]:
+        """Score responses against their ground truths; returns results and this batch's metrics."""
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"responses has {len(responses)} entries but ground_truths has {len(ground_truths)}")
+        results = [self.score(r, g) for r, g in zip(responses, ground_truths)]
+        n = max(len(results), 1)
+        metrics = {
+            "accuracy": sum(r.correct for r in results) / n,
+            "score_mean": sum(r.score for r in results) / n,
+            "timeouts": float(sum(r.timed_out for r in results)),
+            "errors": float(sum(r.error is not None for r in results)),
+        }
+        return results, metrics
+
+    def metrics(self) -> dict[str, float]:
+        """Totals since this scorer was made: calls, correct, timeouts, errors."""
+        return {key: float(value) for key, value in self._counts.items()}
+
+    def close(self) -> None:
+        """Stop the worker process, if any."""
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+            self._conn = None
+        if self._process is not None:
+            if self._process.is_alive():
+                self._process.kill()
+            self._process.join(timeout=5)
+            self._process = None
+
+
+_SCORERS: dict[tuple[str, float], RewardScorer] = {}
+
+
+def score_response(name: str, response: str, ground_truth: str, *, timeout_s: float = 5.0) -> RewardResult:
+    """Score one response with the reward called ``name`` (registered or ``module:function``).
+
+    The call is bounded by ``timeout_s``; a response that exceeds it scores as wrong with
+    ``timed_out=True``. Scorers (and their worker processes) are reused across calls.
+    """
+    key = (name, float(timeout_s))
+    scorer = _SCORERS.get(key)
+    if scorer is None:
+        scorer = _SCORERS[key] = RewardScorer(name, timeout_s)
+    return scorer.score(response, ground_truth)
