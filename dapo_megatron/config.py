@@ -693,6 +693,12 @@ def validate(config: Config, *, sources: Optional[dict[str, str]] = None, defaul
         )
     if p.sequence_parallel and p.tp_size == 1:
         fail(("parallel.sequence_parallel",), "parallel.sequence_parallel=true needs parallel.tp_size > 1")
+    if p.sequence_parallel and (p.device == "cpu" or m.transformer_impl == "local"):
+        fail(
+            ("parallel.sequence_parallel",),
+            "parallel.sequence_parallel=true needs Transformer Engine norms on a GPU (megatron's local "
+            "spec uses torch norms, which do not support it); set parallel.sequence_parallel=false",
+        )
 
     # Layout against the model shape.
     if m.num_attention_heads % p.tp_size:

@@ -83,7 +83,72 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, device_type
         recompute_method="uniform" if model.recompute_activations else None,
         recompute_num_layers=1 if model.recompute_activations else None,
         fp8="hybrid" if model.fp8 else None,
+        # The actor divides every micro-batch's loss by the global response-token count
+        # itself; this turns off megatron's division by the number of micro-batches and
+        # makes DDP sum (not average) gradients over data-parallel ranks.
+        calculate_per_token_loss=True,
+        # Micro-batches are packed by a token budget, so their shapes differ; pipeline
+        # stages exchange shapes before tensors.
+        variable_seq_lengths=True,
+        # No MoE here; megatron refuses variable_seq_lengths with its default (allgather)
+        # MoE token dispatcher even for dense models.
+        moe_token_dispatcher_type="alltoall",
     )
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the tensor-parallel group.
+
+    Megatron's ``copy_to_tensor_model_parallel_region`` does the same but all-reduces
+    ``grad.contiguous()`` and returns the original ``grad``: when the incoming gradient is
+    a non-contiguous view (here it is, GPTModel transposes the output to [b, s, h]) the
+    reduced copy is dropped and every rank keeps only its own partial sum.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = grad_output.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _defer_output_layer(output_layer) -> None:
+    """Make the output layer hand back its (tensor-parallel-ready) input instead of logits.
+
+    The actor computes log-probs and entropy fused with the output projection, chunk by
+    chunk, so full-vocabulary logits never exist (see ``actor/vocab_parallel.py``). The
+    layer keeps its weight (checkpoints, tied embeddings and gradient sync are unchanged);
+    only its forward is swapped for one that applies the same tensor-parallel input
+    mapping megatron's ColumnParallelLinear applies (sequence-parallel all-gather, or a
+    copy whose backward all-reduces the gradient). The weight to project with is the model's
+    ``output_weight`` (see :func:`output_weight`).
+    """
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    def forward(input_, weight=None, runtime_gather_output=None):
+        group = output_layer.tp_group
+        if output_layer.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=group)
+        elif group is not None and group.size() > 1:
+            hidden = _CopyToTensorParallelRegion.apply(input_, group)
+        else:
+            hidden = input_
+        return hidden, None
+
+    output_layer.forward = forward
+
+
+def output_weight(gpt) -> torch.Tensor:
+    """The ``[vocab_shard, hidden]`` weight the last stage projects hidden states with: the
+    output layer's, or the shared embedding's when embeddings are tied (as GPTModel does)."""
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
 
 
 def build_qwen2_model(
@@ -93,11 +158,14 @@ def build_qwen2_model(
     *,
     pre_process: bool | None = None,
     post_process: bool | None = None,
+    output_logits: bool = True,
 ):
     """The GPTModel piece of this rank's pipeline stage.
 
     ``pre_process`` / ``post_process`` default to whether this rank is the first / last
-    pipeline stage (embedding / output layer live there).
+    pipeline stage (embedding / output layer live there). With ``output_logits=False`` the
+    last stage returns final hidden states ``[batch, seq, hidden]`` instead of logits, to
+    be projected with :func:`output_weight`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -127,6 +195,8 @@ def build_qwen2_model(
         rotary_base=model.rope_theta,
         parallel_output=True,
     )
+    if post_process and not output_logits:
+        _defer_output_layer(gpt.output_layer)
     if device_type == "cuda":
         gpt = gpt.cuda(torch.cuda.current_device())
     return gpt

@@ -25,7 +25,7 @@ SEQ_LEN = 16
 ADAM_EPS = 1e-3
 
 
-def tiny_config(tp_size: int, pp_size: int):
+def tiny_config(tp_size: int, pp_size: int, dp_size: int = 1):
     return config_from_dict(
         {
             "model": {
@@ -47,7 +47,7 @@ def tiny_config(tp_size: int, pp_size: int):
                 "device": "cpu",
                 "tp_size": tp_size,
                 "pp_size": pp_size,
-                "num_devices_per_node": tp_size * pp_size,
+                "num_devices_per_node": tp_size * pp_size * dp_size,
             },
             "rollout": {"max_prompt_length": 16, "max_response_length": 48},
             "algorithm": {"overlong_buffer_len": 8},

@@ -171,6 +171,11 @@ def test_mini_batch_must_divide_responses(tmp_path):
     )
 
 
+def test_sequence_parallel_needs_gpu_norms():
+    message = error_of(TINY, ["parallel.sequence_parallel=true"])
+    assert message.startswith("command line: parallel.sequence_parallel=true needs Transformer Engine norms")
+
+
 def test_overrides_with_type_coercion():
     cfg = load_config(
         TINY,

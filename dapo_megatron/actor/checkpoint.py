@@ -1,0 +1,251 @@
+"""Actor checkpoints in megatron's dist-checkpoint format, loadable at any TP/PP layout.
+
+A checkpoint holds the model, the optimizer state (megatron's model-space sharding, so it
+reshards across tensor/pipeline/data-parallel layouts), the LR scheduler, the RNG states
+and the rollout step. It is written into ``step_NNNNNNNN.tmp`` and renamed to
+``step_NNNNNNNN`` only after every rank has finished, and ``latest`` is replaced
+atomically afterwards, so a crash mid-save never leaves a folder that looks complete and
+never moves ``latest`` to a broken checkpoint. Old checkpoints beyond ``keep_last`` are
+deleted only after a save succeeded.
+
+RNG states are per (pipeline, tensor) rank; they are restored only when the checkpoint
+was written with the same layout (otherwise megatron's trackers are re-seeded from the
+run's seed and the step, and a warning says so). The actor itself has no dropout, so
+this affects nothing that the trainer computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+_STEP_PREFIX = "step_"
+
+
+def checkpoint_dir(save_dir: str | os.PathLike, step: int) -> Path:
+    """Folder of the checkpoint of rollout step ``step``."""
+    return Path(save_dir) / f"{_STEP_PREFIX}{step:08d}"
+
+
+def _layout(actor) -> dict:
+    return {"tp_size": actor.parallel.tp_size, "pp_size": actor.parallel.pp_size}
+
+
+def _sharded_state_dict(actor, is_loading: bool) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model_state = actor.gpt.sharded_state_dict(prefix="")
+    rng = {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if actor.device.type == "cuda" else None,
+        "tracker": _tracker_states(),
+    }
+    pp_rank, tp_rank = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+    return {
+        "model": model_state,
+        # 'fully_reshardable': optimizer state in the canonical per-parameter layout, so
+        # it loads at another tp/pp/dp layout.
+        "optimizer": actor.optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        ),
+        "rng_state": ShardedObject(
+            "rng_state",
+            rng,
+            (actor.parallel.pp_size, actor.parallel.tp_size),
+            (pp_rank, tp_rank),
+            replica_id=parallel_state.get_data_parallel_rank(),
+        ),
+    }
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give a never-stepped Adam zero moments and step 0, in place.
+
+    Loading a dist checkpoint fills existing optimizer state in place, and megatron's
+    distributed optimizer (with torch's Adam, no Apex/TE) reads the step from that state;
+    a freshly built optimizer has none yet. Nothing here touches a parameter.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+@contextlib.contextmanager
+def _torch_adam_step_passthrough(optimizer):
+    """Work around megatron-core 0.16's 'fully_reshardable' load with torch's Adam.
+
+    Its loader restores Adam's ``step`` from the param groups and leaves it out of each
+    parameter's tensors on purpose, but the copy that follows iterates the destination's
+    keys, ``step`` included, and fails with ``KeyError: 'step'`` (Apex/TE's FusedAdam has
+    no per-parameter step, so GPU runs never hit it). While loading, each parameter's
+    current (already restored) step is handed back to that copy, which makes it a no-op.
+    """
+    patched = []
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(chained, "_set_main_param_and_optimizer_states", None)
+        if original is None or chained.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+
+        def with_step(model_param, tensors, _original=original, _chained=chained):
+            group_index, group_order = _chained.model_param_group_index_map[model_param]
+            main_param = _chained.optimizer.param_groups[group_index]["params"][group_order]
+            step = _chained.optimizer.state[main_param].get("step")
+            if step is not None and "step" not in tensors:
+                tensors = {**tensors, "step": step.clone()}
+            return _original(model_param, tensors)
+
+        chained._set_main_param_and_optimizer_states = with_step
+        patched.append(chained)
+    try:
+        yield
+    finally:
+        for chained in patched:
+            del chained._set_main_param_and_optimizer_states
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam ``step`` tensor again.
+
+    megatron-core 0.16 restores torch Adam's step as one tensor object shared by every
+    parameter's state; torch's Adam increments each parameter's step in place, so a
+    shared one advances once per parameter per update and the bias correction after a
+    resume is wrong. (Apex/TE FusedAdam keeps the step in the param group: not affected.)
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in chained.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _tracker_states() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker().get_states()
+
+
+def save_checkpoint(actor, save_dir: str | os.PathLike, keep_last: int = 0) -> Path:
+    """Save the actor at its current rollout step; returns the checkpoint folder.
+
+    All ranks of the actor must call it. ``keep_last > 0`` deletes older checkpoints
+    beyond that many after the save succeeded.
+    """
+    from megatron.core import dist_checkpointing
+
+    final = checkpoint_dir(save_dir, actor.rollout_step)
+    staging = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state_dict(actor, is_loading=False)
+    state["scheduler"] = actor.scheduler.state_dict()
+    state["rollout_step"] = actor.rollout_step
+    state["layout"] = _layout(actor)
+    dist_checkpointing.save(state, str(staging))
+    dist.barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+        tmp_latest = Path(save_dir) / (LATEST + ".tmp")
+        tmp_latest.write_text(json.dumps({"step": actor.rollout_step, "path": final.name}) + "\n")
+        tmp_latest.replace(Path(save_dir) / LATEST)
+        if keep_last > 0:
+            for old in sorted(p for p in Path(save_dir).glob(f"{_STEP_PREFIX}*") if not p.name.endswith(".tmp"))[
+                :-keep_last
+            ]:
+                shutil.rmtree(old)
+    dist.barrier()
+    logger.info("saved checkpoint of step %d to %s", actor.rollout_step, final)
+    return final
+
+
+def latest_checkpoint(load_dir: str | os.PathLike) -> Optional[Path]:
+    """The checkpoint ``latest`` points at in ``load_dir`` (or ``load_dir`` itself if it is
+    one), or None when there is none yet."""
+    path = Path(load_dir)
+    if (path / "metadata.json").exists():
+        return path
+    marker = path / LATEST
+    if not marker.exists():
+        return None
+    target = path / json.loads(marker.read_text())["path"]
+    if not (target / "metadata.json").exists():
+        raise FileNotFoundError(f"{marker} points at {target}, which is not a complete checkpoint")
+    return target
+
+
+def load_checkpoint(actor, load_dir: str | os.PathLike, *, seed: int = 0) -> int:
+    """Restore model, optimizer, scheduler, step (and RNG when the layout matches).
+
+    Returns the restored rollout step. Raises FileNotFoundError when ``load_dir`` holds no
+    checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    path = latest_checkpoint(load_dir)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint in {load_dir} (no '{LATEST}' file and no metadata.json)")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    same_layout = common.get("layout") == _layout(actor)
+    _materialize_optimizer_state(actor.optimizer)
+    state = _sharded_state_dict(actor, is_loading=True)
+    if not same_layout:
+        del state["rng_state"]
+    loaded = dist_checkpointing.load(state, str(path))
+    actor.gpt.load_state_dict(loaded["model"])
+    with _torch_adam_step_passthrough(actor.optimizer):
+        actor.optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_adam_steps(actor.optimizer)
+    actor.scheduler.load_state_dict(loaded["scheduler"])
+    actor.rollout_step = int(loaded["rollout_step"])
+    if same_layout:
+        rng = loaded["rng_state"]
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and actor.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+    else:
+        logger.warning(
+            "checkpoint %s was written at layout %s, loading at %s: RNG states re-seeded instead of restored",
+            path,
+            common.get("layout"),
+            _layout(actor),
+        )
+        torch.manual_seed(seed + actor.rollout_step)
+        model_parallel_cuda_manual_seed(seed + actor.rollout_step, force_reset_rng=True)
+    return actor.rollout_step
+
+
+def load_model_weights(actor, path: str | os.PathLike) -> None:
+    """Load only the model weights from a dist checkpoint (e.g. a converted HF model)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": actor.gpt.sharded_state_dict(prefix="")}, str(path))
+    actor.gpt.load_state_dict(loaded["model"])
+    # The optimizer keeps fp32 main copies of bf16 weights: refresh them from the model.
+    actor.optimizer.reload_model_params()

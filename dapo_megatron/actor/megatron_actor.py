@@ -1,0 +1,373 @@
+"""The Megatron actor: Qwen2 under any TP/PP/DP layout, log-probs and DAPO updates.
+
+One instance lives on every rank of the actor. It owns megatron-core's GPTModel (built
+with its output layer deferred, so the last stage returns hidden states), megatron's DDP
+wrapper, its (distributed) Adam optimizer and LR scheduler, and drives megatron's own
+pipeline schedules through ``get_forward_backward_func``.
+
+Exactness of DAPO's token-level mean is the point of this module. Before the
+micro-batch loop of a mini-batch, the number of loss tokens of the *whole* mini-batch
+(all micro-batches, all data-parallel ranks) is all-reduced once, and every micro-batch
+divides its summed token losses by it (``dapo_policy_loss(..., global_num_tokens=...)``).
+Megatron's own normalisations are turned off so they cannot change that result:
+``calculate_per_token_loss`` stops the schedule from dividing by the number of
+micro-batches and makes DDP sum instead of average over data-parallel ranks, and the
+grad-finalisation hook is called without a token count so it does not rescale. The
+summed gradient is then exactly the gradient of the single-process token mean.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.actor.batch import PolicyBatch, plan_micro_batches
+from dapo_megatron.actor.vocab_parallel import vocab_parallel_log_probs_and_entropy
+from dapo_megatron.algo.loss import dapo_policy_loss
+from dapo_megatron.config import AlgorithmConfig, ModelConfig, ParallelConfig, TrainerConfig, padded_vocab_size
+from dapo_megatron.models.qwen2 import build_qwen2_model, output_weight, params_dtype
+from dapo_megatron.runtime.distributed import RuntimeInfo
+
+logger = logging.getLogger(__name__)
+
+# Per-update metrics that are token-weighted sums over micro-batches and DP ranks.
+_SUM_KEYS = (
+    "loss",
+    "entropy_sum",
+    "prob_sum",
+    "clip_low_sum",
+    "clip_high_sum",
+    "clip_dual_sum",
+    "kl_sum",
+    "ratio_sum",
+    "num_tokens",
+)
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch as the forward step consumes it."""
+
+    rows: torch.Tensor  # [b] indices into the mini-batch
+    tokens: torch.Tensor  # [b, L]
+    position_ids: torch.Tensor  # [b, L]
+    loss_mask: torch.Tensor  # [b, L] float, label grid
+    old_log_probs: Optional[torch.Tensor]  # [b, L]
+    advantages: Optional[torch.Tensor]  # [b]
+
+
+class MegatronActor:
+    """Policy model of the DAPO trainer on one rank.
+
+    Args:
+        model: model section (shape, dtype, layer implementation).
+        parallel: layout section; the runtime must already be initialised with it.
+        trainer: optimizer, learning rate and micro-batch token budget.
+        algorithm: clip ratios and loss aggregation.
+        runtime: what :func:`initialize_runtime` returned on this rank.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig,
+        runtime: RuntimeInfo,
+    ) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if parallel.cp_size != 1:
+            raise NotImplementedError("parallel.cp_size > 1: context parallelism is not supported by the actor yet")
+        self.model_config, self.parallel, self.trainer, self.algorithm = model, parallel, trainer, algorithm
+        self.runtime = runtime
+        self.device = runtime.device
+        self.gpt = build_qwen2_model(model, parallel, self.device.type, output_logits=False)
+        self.ddp = DistributedDataParallel(
+            self.gpt.config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=parallel.use_distributed_optimizer,
+                average_in_collective=False,
+            ),
+            self.gpt,
+        )
+        dtype = params_dtype(model, self.device.type)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=trainer.lr,
+                min_lr=0.0,
+                weight_decay=trainer.weight_decay,
+                adam_beta1=trainer.adam_beta1,
+                adam_beta2=trainer.adam_beta2,
+                adam_eps=trainer.adam_eps,
+                clip_grad=trainer.grad_clip,
+                bf16=dtype == torch.bfloat16,
+                params_dtype=dtype,
+                use_distributed_optimizer=parallel.use_distributed_optimizer,
+            ),
+            [self.ddp],
+        )
+        # Linear warm-up over rollout steps, then constant: the scheduler is stepped once
+        # per rollout step before its updates, so step k (0-based) trains at
+        # lr * min(1, (k + 1) / lr_warmup_steps).
+        warmup = trainer.lr_warmup_steps
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if warmup else trainer.lr,
+            max_lr=trainer.lr,
+            min_lr=0.0,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=warmup + 1,
+            lr_decay_style="constant",
+            start_wd=trainer.weight_decay,
+            end_wd=trainer.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+        config = self.gpt.config
+        config.finalize_model_grads_func = self._finalize_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.rollout_step = 0
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        padded = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, parallel.tp_size)
+        self.vocab_start = runtime.tp_rank * (padded // parallel.tp_size)
+        self.pad_multiple = parallel.tp_size if parallel.sequence_parallel else 1
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _finalize_grads(model, num_tokens=None, **kwargs):
+        """megatron's grad finalisation (DP reduce, embedding and norm sync) without its
+        per-token rescaling: our losses are already divided by the global token count."""
+        from megatron.core.distributed import finalize_model_grads
+
+        return finalize_model_grads(model, num_tokens=None, **kwargs)
+
+    def _micro_batches(self, batch: PolicyBatch) -> list[_MicroBatch]:
+        plans = plan_micro_batches(batch.seq_lengths.tolist(), self.trainer.micro_batch_max_tokens, self.pad_multiple)
+        mask = batch.response_mask()
+        micro = []
+        for rows in plans:
+            index = torch.tensor(rows, dtype=torch.long)
+            width = -(-int(batch.seq_lengths[index].max()) // self.pad_multiple) * self.pad_multiple
+            tokens = torch.zeros(len(rows), width, dtype=torch.long)
+            used = min(width, batch.tokens.shape[1])
+            tokens[:, :used] = batch.tokens[index, :used]
+            loss_mask = torch.zeros(len(rows), width)
+            loss_mask[:, :used] = mask[index, :used]
+            old = None
+            if batch.old_log_probs is not None:
+                old = torch.zeros(len(rows), width)
+                old[:, :used] = batch.old_log_probs[index, :used].float()
+            micro.append(
+                _MicroBatch(
+                    rows=index,
+                    tokens=tokens.to(self.device),
+                    position_ids=torch.arange(width).expand(len(rows), width).to(self.device),
+                    loss_mask=loss_mask.to(self.device),
+                    old_log_probs=old.to(self.device) if old is not None else None,
+                    advantages=batch.advantages[index].float().to(self.device)
+                    if batch.advantages is not None
+                    else None,
+                )
+            )
+        return micro
+
+    def _log_probs_and_entropy(self, hidden: torch.Tensor, micro: _MicroBatch, temperature: float):
+        """Label-grid ``[b, L]`` log-probs and entropies at the loss tokens of ``micro``."""
+        selected = micro.loss_mask[:, 1:].bool()  # positions 1.. are predicted from 0..
+        states = hidden[:, :-1][selected]  # [n, h]
+        targets = micro.tokens[:, 1:][selected]
+        log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+            states,
+            output_weight(self.gpt),
+            targets,
+            vocab_size=self.model_config.vocab_size,
+            vocab_start=self.vocab_start,
+            temperature=temperature,
+            group=self.tp_group,
+        )
+
+        def to_grid(values: torch.Tensor) -> torch.Tensor:
+            grid = torch.zeros(selected.shape, dtype=values.dtype, device=values.device).masked_scatter(
+                selected, values
+            )
+            return torch.nn.functional.pad(grid, (1, 0))
+
+        return to_grid(log_probs), to_grid(entropy)
+
+    def _run_schedule(self, micro: list[_MicroBatch], forward_step, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=[self.ddp],
+            num_microbatches=len(micro),
+            seq_length=max(m.tokens.shape[1] for m in micro),
+            micro_batch_size=max(m.tokens.shape[0] for m in micro),
+            forward_only=forward_only,
+        )
+
+    def _broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        if self.parallel.pp_size > 1:
+            dist.broadcast(tensor, src=self.pp_last_rank, group=self.pp_group)
+        return tensor
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: PolicyBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward-only log-probs and entropy of ``batch``'s loss tokens under the current weights.
+
+        Returns ``[batch, seq]`` fp32 grids (zero outside the loss tokens) on every rank.
+        """
+        self.ddp.eval()
+        micro = self._micro_batches(batch)
+
+        def forward_step(data_iterator: Iterator[_MicroBatch], model):
+            mb = next(data_iterator)
+            hidden = model(mb.tokens, mb.position_ids, None)
+
+            def loss_func(output):
+                log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature)
+                zero = torch.zeros((), device=output.device)
+                return (
+                    zero,
+                    torch.zeros((), dtype=torch.int),
+                    {"rows": mb.rows, "log_probs": log_probs, "entropy": entropy},
+                )
+
+            return hidden, loss_func
+
+        outputs = self._run_schedule(micro, forward_step, forward_only=True)
+        shape = (2, batch.num_rows, batch.tokens.shape[1])
+        result = None
+        if self.is_last_stage:
+            result = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            for out in outputs:
+                width = min(out["log_probs"].shape[1], shape[2])
+                result[0, out["rows"], :width] = out["log_probs"][:, :width]
+                result[1, out["rows"], :width] = out["entropy"][:, :width]
+        result = self._broadcast_from_last_stage(result, shape, torch.float32)
+        self.ddp.train()
+        return result[0].cpu(), result[1].cpu()
+
+    def train(self, batch: PolicyBatch, num_mini_batches: int = 1) -> list[dict[str, float]]:
+        """One rollout step: ``num_mini_batches`` DAPO updates on this rank's share of the batch.
+
+        ``batch`` holds this data-parallel rank's rows (see ``shard_for_data_parallel``)
+        with ``advantages`` and ``old_log_probs``; it is split into ``num_mini_batches``
+        consecutive parts, one optimizer update each. Returns each update's metrics (equal
+        on every rank): ``loss`` (the global token mean), ``entropy``, ``mean_prob`` of the
+        generated tokens, ``pg_clipfrac_low/high/dual``, ``approx_kl``, ``ratio_mean``,
+        ``ratio_max``, ``grad_norm``, ``lr``, ``tokens`` and ``num_micro_batches``.
+        """
+        if batch.advantages is None or batch.old_log_probs is None:
+            raise ValueError("train() needs a batch with advantages and old_log_probs")
+        self.scheduler.step(1)
+        self.rollout_step += 1
+        minis = batch.split(num_mini_batches)
+        # One all-reduce, before any micro-batch: loss tokens (and, for the seq-mean
+        # ablations, sequences with loss tokens) of every global mini-batch.
+        counts = torch.tensor(
+            [[float(m.response_mask().sum()), float((m.response_mask().sum(-1) > 0).sum())] for m in minis],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(counts, group=self.dp_group)
+        metrics = []
+        for mini, (num_tokens, num_seqs) in zip(minis, counts.tolist()):
+            if num_tokens <= 0:
+                raise ValueError("a mini-batch has no loss tokens on any data-parallel rank")
+            metrics.append(self._update(mini, num_tokens, num_seqs))
+        return metrics
+
+    def _update(self, mini: PolicyBatch, global_num_tokens: float, global_num_seqs: float) -> dict[str, float]:
+        algo = self.algorithm
+        micro = self._micro_batches(mini)
+
+        def forward_step(data_iterator: Iterator[_MicroBatch], model):
+            mb = next(data_iterator)
+            hidden = model(mb.tokens, mb.position_ids, None)
+
+            def loss_func(output):
+                log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature=1.0)
+                loss, m = dapo_policy_loss(
+                    log_probs,
+                    mb.old_log_probs,
+                    mb.advantages,
+                    mb.loss_mask,
+                    clip_ratio_low=algo.clip_ratio_low,
+                    clip_ratio_high=algo.clip_ratio_high,
+                    clip_ratio_c=algo.clip_ratio_c,
+                    loss_agg_mode=algo.loss_agg_mode,
+                    global_num_tokens=global_num_tokens,
+                    global_num_seqs=global_num_seqs,
+                )
+                n = m["num_tokens"].to(torch.float64)
+                mask = mb.loss_mask
+                sums = {
+                    "loss": loss.detach().to(torch.float64),
+                    "entropy_sum": (entropy.detach() * mask).sum().to(torch.float64),
+                    "prob_sum": (torch.exp(log_probs.detach()) * mask).sum().to(torch.float64),
+                    "clip_low_sum": m["pg_clipfrac_low"].to(torch.float64) * n,
+                    "clip_high_sum": m["pg_clipfrac_high"].to(torch.float64) * n,
+                    "clip_dual_sum": m["pg_clipfrac_dual"].to(torch.float64) * n,
+                    "kl_sum": m["approx_kl"].to(torch.float64) * n,
+                    "ratio_sum": m["ratio_mean"].to(torch.float64) * n,
+                    "num_tokens": n,
+                    "ratio_max": m["ratio_max"].to(torch.float64),
+                }
+                return loss, m["num_tokens"].to(torch.int), sums
+
+            return hidden, loss_func
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run_schedule(micro, forward_step, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        totals = torch.zeros(len(_SUM_KEYS) + 1, dtype=torch.float64, device=self.device)
+        if self.is_last_stage:
+            for out in outputs:
+                totals[:-1] += torch.stack([out[key].to(totals.device) for key in _SUM_KEYS])
+                totals[-1] = torch.maximum(totals[-1], out["ratio_max"].to(totals.device))
+        sums, ratio_max = totals[:-1].clone(), totals[-1:].clone()
+        dist.all_reduce(sums, group=self.dp_group)
+        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self.dp_group)
+        totals = self._broadcast_from_last_stage(torch.cat([sums, ratio_max]), totals.shape, totals.dtype)
+        values = dict(zip(_SUM_KEYS, totals[:-1].tolist()))
+        tokens = max(values["num_tokens"], 1.0)
+        return {
+            "loss": values["loss"],
+            "entropy": values["entropy_sum"] / tokens,
+            "mean_prob": values["prob_sum"] / tokens,
+            "pg_clipfrac_low": values["clip_low_sum"] / tokens,
+            "pg_clipfrac_high": values["clip_high_sum"] / tokens,
+            "pg_clipfrac_dual": values["clip_dual_sum"] / tokens,
+            "approx_kl": values["kl_sum"] / tokens,
+            "ratio_mean": values["ratio_sum"] / tokens,
+            "ratio_max": float(totals[-1]),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "update_skipped": 0.0 if update_ok else 1.0,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "tokens": values["num_tokens"],
+            "num_micro_batches": float(len(micro)),
+        }

@@ -1,0 +1,252 @@
+"""Rank bodies for the actor tests. Each runs inside a rank launched by launch_local and
+writes what the test checks into a work folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from dapo_megatron.actor.batch import PolicyBatch, plan_micro_batches, shard_for_data_parallel
+from dapo_megatron.actor.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
+from dapo_megatron.actor.megatron_actor import MegatronActor
+from dapo_megatron.runtime.distributed import megatron_runtime
+from tests.distributed.layout_worker import tiny_config
+
+VOCAB = 128
+
+
+def actor_config(tp_size, pp_size, dp_size=1, **trainer):
+    cfg = tiny_config(tp_size, pp_size, dp_size=dp_size)
+    cfg.trainer.lr = trainer.get("lr", 1e-3)
+    cfg.trainer.lr_warmup_steps = trainer.get("lr_warmup_steps", 0)
+    cfg.trainer.adam_eps = 1e-3  # see layout_worker.ADAM_EPS
+    cfg.trainer.weight_decay = 0.0
+    cfg.trainer.micro_batch_max_tokens = trainer.get("micro_batch_max_tokens", 64)
+    cfg.parallel.use_distributed_optimizer = trainer.get("use_distributed_optimizer", True)
+    return cfg
+
+
+def make_batch(seed: int, response_lengths: list[int], prompt_lengths: list[int] | None = None) -> PolicyBatch:
+    """Random tokens, advantages and old log-probs; responses of the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(response_lengths)
+    prompts = torch.tensor(prompt_lengths or [3 + (i % 4) for i in range(rows)])
+    responses = torch.tensor(response_lengths)
+    width = int((prompts + responses).max())
+    batch = PolicyBatch(
+        tokens=torch.randint(0, VOCAB, (rows, width), generator=gen),
+        prompt_lengths=prompts,
+        response_lengths=responses,
+        advantages=torch.randn(rows, generator=gen),
+    )
+    batch.old_log_probs = (-torch.rand(rows, width, generator=gen) * 2 - 3.0) * batch.response_mask()
+    return batch
+
+
+def _actor(cfg, info):
+    return MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+
+
+def _write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data))
+
+
+# ---------------------------------------------------------------- layout invariance
+
+
+def log_probs_at_layout(workdir: str, tp_size: int, pp_size: int) -> None:
+    cfg = actor_config(tp_size, pp_size)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = _actor(cfg, info)
+        load_model_weights(actor, os.path.join(workdir, "init"))
+        batch = make_batch(11, [9, 1, 30, 4, 17])
+        log_probs, entropy = actor.compute_log_probs(batch)
+        # One DAPO update too: its loss and grad norm must not depend on the layout either.
+        update = actor.train(batch)[0]
+        if info.rank == 0:
+            torch.save(
+                {"log_probs": log_probs, "entropy": entropy, "loss": update["loss"], "grad_norm": update["grad_norm"]},
+                os.path.join(workdir, f"lp_tp{tp_size}_pp{pp_size}.pt"),
+            )
+        if tp_size > 1 and pp_size == 1:
+            _vocab_parallel_against_reference(workdir, info)
+
+
+def _vocab_parallel_against_reference(workdir: str, info) -> None:
+    """The TP-split function against float64 log_softmax on the gathered logits."""
+    from megatron.core import parallel_state
+
+    from dapo_megatron.actor.vocab_parallel import vocab_parallel_log_probs_and_entropy
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp, rank = group.size(), info.tp_rank
+    gen = torch.Generator().manual_seed(3)
+    vocab, padded, hidden_size, tokens = 90, 96, 16, 21  # 6 padded rows on the last shard
+    hidden = torch.randn(tokens, hidden_size, generator=gen, dtype=torch.float64)
+    weight = torch.randn(padded, hidden_size, generator=gen, dtype=torch.float64) * 0.5
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    g_lp, g_ent = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
+    shard = padded // tp
+    h = hidden.float().requires_grad_(True)
+    w = weight[rank * shard : (rank + 1) * shard].float().clone().requires_grad_(True)
+    lp, ent = vocab_parallel_log_probs_and_entropy(
+        h, w, targets, vocab_size=vocab, vocab_start=rank * shard, group=group, chunk_tokens=8
+    )
+    (lp * g_lp + ent * g_ent).sum().backward()
+    grad_hidden = h.grad.clone()
+    torch.distributed.all_reduce(grad_hidden, group=group)  # what the TP input mapping does
+
+    h64, w64 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    log_softmax = torch.log_softmax((h64 @ w64.t())[:, :vocab], dim=-1)
+    ref_lp = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(log_softmax.exp() * log_softmax).sum(-1)
+    (ref_lp * g_lp.double() + ref_ent * g_ent.double()).sum().backward()
+
+    def rel(a, b):
+        return float((a.double() - b).abs().max() / b.abs().max())
+
+    _write_json(
+        Path(workdir, f"vocab_reference_rank{rank}.json"),
+        {
+            "log_probs": rel(lp.detach(), ref_lp.detach()),
+            "entropy": rel(ent.detach(), ref_ent.detach()),
+            "grad_hidden": rel(grad_hidden, h64.grad),
+            "grad_weight": rel(w.grad, w64.grad[rank * shard : (rank + 1) * shard]),
+            "padded_grad_nonzero": int(torch.count_nonzero(w.grad[max(0, vocab - rank * shard) :])),
+        },
+    )
+
+
+# ---------------------------------------------------------------- data-parallel exactness
+
+DP_RESPONSES = [1, 25, 2, 30, 3, 20, 2, 28]  # very different lengths
+DP_PROMPTS = [3, 4, 3, 5, 4, 3, 6, 3]
+DP_BUDGET = 69  # with dp=2 this packs each rank's 4 rows into 2 micro-batches
+
+
+def _capture_gradients(actor):
+    """Make optimizer.step() record the finished gradients and skip the update."""
+    captured = []
+
+    def step():
+        captured.append({name: p.main_grad.detach().clone() for name, p in actor.gpt.named_parameters()})
+        return True, 0.0, None
+
+    actor.optimizer.step = step
+    return captured
+
+
+def dp_gradients(workdir: str, dp_size: int) -> None:
+    cfg = actor_config(1, 1, dp_size=dp_size, micro_batch_max_tokens=DP_BUDGET, use_distributed_optimizer=False)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = _actor(cfg, info)
+        load_model_weights(actor, os.path.join(workdir, "init"))
+        captured = _capture_gradients(actor)
+        batch = make_batch(5, DP_RESPONSES, DP_PROMPTS)
+        local = shard_for_data_parallel(batch, info.dp_rank, dp_size)
+        metrics = actor.train(local)
+        if dp_size > 1:
+            if info.rank == 0:
+                torch.save(captured[0], os.path.join(workdir, "grads_dp2.pt"))
+                _write_json(Path(workdir, "dp2_metrics.json"), metrics[0])
+            return
+        # One rank: the whole mini-batch, and the pieces the wrong normalisations would use.
+        grads = {"full": captured[0], "ranks": [], "micro_batches": []}
+        for rank in range(2):
+            piece = shard_for_data_parallel(batch, rank, 2)
+            actor.train(piece)
+            grads["ranks"].append(captured[-1])
+            lengths = piece.seq_lengths.tolist()
+            for rows in plan_micro_batches(lengths, DP_BUDGET):
+                actor.train(piece.select(rows))
+                grads["micro_batches"].append(captured[-1])
+        torch.save(grads, os.path.join(workdir, "grads_dp1.pt"))
+
+
+# ---------------------------------------------------------------- training and resume
+
+RESUME_RESPONSES = [6, 14, 3, 9, 12, 5, 8, 2]
+
+
+def _train_steps(actor, batch, steps, losses):
+    for _ in range(steps):
+        metrics = actor.train(batch, num_mini_batches=2)
+        losses.append({"loss": metrics[0]["loss"], "lr": metrics[0]["lr"], "grad_norm": metrics[0]["grad_norm"]})
+
+
+def train_and_save(workdir: str, tp_size: int, pp_size: int) -> None:
+    """Three steps, checkpoint, a fourth step; losses and the final weights to files."""
+    cfg = actor_config(tp_size, pp_size, lr=5e-3, lr_warmup_steps=5)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = _actor(cfg, info)
+        load_model_weights(actor, os.path.join(workdir, "init"))
+        batch = make_batch(9, RESUME_RESPONSES)
+        # The sampling policy's log-probs: the initial weights', fixed for every step.
+        batch.old_log_probs, _ = actor.compute_log_probs(batch)
+        if info.rank == 0:
+            torch.save(batch.old_log_probs, os.path.join(workdir, "old_log_probs.pt"))
+        losses = []
+        _train_steps(actor, batch, 3, losses)
+        save_checkpoint(actor, os.path.join(workdir, "ckpt"), keep_last=2)
+        _train_steps(actor, batch, 1, losses)
+        _save_weights(actor, os.path.join(workdir, "final_uninterrupted"))
+        if info.rank == 0:
+            _write_json(Path(workdir, "losses_uninterrupted.json"), losses)
+
+
+def resume_and_step(workdir: str, tp_size: int, pp_size: int) -> None:
+    cfg = actor_config(tp_size, pp_size, lr=5e-3, lr_warmup_steps=5)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = _actor(cfg, info)
+        step = load_checkpoint(actor, os.path.join(workdir, "ckpt"), seed=cfg.trainer.seed)
+        batch = make_batch(9, RESUME_RESPONSES)
+        batch.old_log_probs = torch.load(os.path.join(workdir, "old_log_probs.pt"))
+        losses = []
+        _train_steps(actor, batch, 1, losses)
+        _save_weights(actor, os.path.join(workdir, "final_resumed"))
+        if info.rank == 0:
+            _write_json(Path(workdir, "losses_resumed.json"), {"step": step, "losses": losses})
+
+
+def _save_weights(actor, path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(actor.gpt.sharded_state_dict(prefix=""), path)
+
+
+# ---------------------------------------------------------------- fused path vs megatron's own output layer
+
+
+def fused_against_megatron_logits(workdir: str, tied: bool) -> None:
+    """The actor's log-probs/entropy against log_softmax of GPTModel's own logits (float64)."""
+    from dapo_megatron.models.qwen2 import build_qwen2_model
+
+    cfg = actor_config(1, 1)
+    cfg.model.tie_word_embeddings = tied
+    cfg.model.vocab_size = 120  # padded to 128 by megatron: 8 rows that must never count
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        plain = build_qwen2_model(cfg.model, cfg.parallel, "cpu", output_logits=True)
+        actor = _actor(cfg, info)
+        actor.gpt.load_state_dict(plain.state_dict())
+        batch = make_batch(4, [5, 12, 1, 8])
+        batch.tokens = batch.tokens % 120
+        log_probs, entropy = actor.compute_log_probs(batch)
+        with torch.no_grad():
+            logits = plain(batch.tokens, torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens), None)
+        logits = logits.double()[..., :120]  # megatron's padded columns are not vocabulary
+        log_softmax = torch.log_softmax(logits[:, :-1], dim=-1)
+        ref_lp = torch.nn.functional.pad(log_softmax.gather(-1, batch.tokens[:, 1:].unsqueeze(-1)).squeeze(-1), (1, 0))
+        ref_ent = torch.nn.functional.pad(-(log_softmax.exp() * log_softmax).sum(-1), (1, 0))
+        mask = batch.response_mask().bool()
+        _write_json(
+            Path(workdir, f"fused_vs_megatron_tied{int(tied)}.json"),
+            {
+                "log_probs": float((log_probs.double() - ref_lp)[mask].abs().max()),
+                "entropy": float((entropy.double() - ref_ent)[mask].abs().max()),
+                "num_tokens": int(mask.sum()),
+            },
+        )

@@ -1,0 +1,79 @@
+"""Token grids, micro-batches by token budget, and data-parallel shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dapo_megatron.actor.batch import PolicyBatch, plan_micro_batches, shard_for_data_parallel
+
+
+def _batch(prompts, responses):
+    width = max(p + r for p, r in zip(prompts, responses))
+    return PolicyBatch(
+        tokens=torch.arange(len(prompts) * width).reshape(len(prompts), width),
+        prompt_lengths=torch.tensor(prompts),
+        response_lengths=torch.tensor(responses),
+        advantages=torch.arange(len(prompts), dtype=torch.float32),
+    )
+
+
+def test_response_mask_is_on_the_label_grid():
+    batch = _batch([2, 1], [3, 1])
+    expected = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]], dtype=torch.float32)
+    torch.testing.assert_close(batch.response_mask(), expected)
+    batch.loss_mask = torch.zeros(2, 5)
+    assert batch.response_mask().sum() == 0
+
+
+def test_micro_batches_pack_by_token_budget():
+    lengths = [30, 4, 25, 5, 6, 28]
+    plans = plan_micro_batches(lengths, max_tokens=60)
+    # Longest first: [30, 28] (2 x 30 = 60), [25, 6] (2 x 25 = 50 <= 60, a third would be 75), [5, 4].
+    assert plans == [[0, 5], [2, 4], [3, 1]]
+    assert sorted(i for plan in plans for i in plan) == list(range(6))
+    for plan in plans:
+        assert len(plan) * max(lengths[i] for i in plan) <= 60
+    # Rounding the width up to a multiple (sequence parallelism) is part of the budget.
+    assert plan_micro_batches([5, 5, 5], max_tokens=16, pad_multiple=8) == [[0, 1], [2]]
+    with pytest.raises(ValueError, match="a sequence of 70 tokens does not fit trainer.micro_batch_max_tokens=60"):
+        plan_micro_batches([70], max_tokens=60)
+
+
+def test_data_parallel_shards_are_equal_in_rows_and_balanced_in_tokens():
+    batch = _batch([2] * 8, [40, 1, 30, 2, 20, 3, 10, 4])
+    shards = [shard_for_data_parallel(batch, rank, 2, num_mini_batches=2) for rank in range(2)]
+    assert [s.num_rows for s in shards] == [4, 4]
+    # Mini-batch 0 is rows 0-3, mini-batch 1 rows 4-7; each rank gets 2 of each, in order.
+    first_halves = [s.split(2)[0].advantages.tolist() for s in shards]
+    assert sorted(first_halves[0] + first_halves[1]) == [0, 1, 2, 3]
+    # Each mini-batch is its own optimizer step, so balance counts per mini-batch: sequence
+    # lengths 42, 3, 32, 4 split {42, 3} / {32, 4}, the most even split of 2 + 2 rows.
+    loads = [[int(part.seq_lengths.sum()) for part in s.split(2)] for s in shards]
+    assert loads == [[45, 27], [36, 18]]
+    with pytest.raises(ValueError, match="8 rows cannot be split into 3 mini-batches over 2"):
+        shard_for_data_parallel(batch, 0, 2, num_mini_batches=3)
+
+
+def test_batch_validation():
+    with pytest.raises(ValueError, match=r"advantages must have shape \(2,\)"):
+        PolicyBatch(
+            tokens=torch.zeros(2, 4, dtype=torch.long),
+            prompt_lengths=torch.tensor([1, 1]),
+            response_lengths=torch.tensor([1, 1]),
+            advantages=torch.zeros(3),
+        )
+    with pytest.raises(ValueError, match="exceed the token grid's 4 columns"):
+        PolicyBatch(
+            tokens=torch.zeros(2, 4, dtype=torch.long),
+            prompt_lengths=torch.tensor([1, 2]),
+            response_lengths=torch.tensor([1, 3]),
+        )
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        PolicyBatch(
+            tokens=torch.zeros(1, 4, dtype=torch.long),
+            prompt_lengths=torch.tensor([0]),
+            response_lengths=torch.tensor([1]),
+        )
+    with pytest.raises(ValueError, match="cannot split 3 rows into 2 equal mini-batches"):
+        _batch([1, 1, 1], [1, 1, 1]).split(2)
