@@ -10,12 +10,12 @@ STAMP := $(VENV)/.dapo-installed
 .PHONY: test lint install clean
 
 test: $(STAMP)
-	$(PY) -m ruff check dapo_megatron tests
+	$(PY) -m ruff check dapo_megatron tests benchmarks tools
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check dapo_megatron tests
-	$(PY) -m ruff format --check dapo_megatron tests
+	$(PY) -m ruff check dapo_megatron tests benchmarks tools
+	$(PY) -m ruff format --check dapo_megatron tests benchmarks tools
 
 install: $(STAMP)
 

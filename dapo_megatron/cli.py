@@ -1,7 +1,7 @@
 """The ``dapo-megatron`` command line.
 
-One executable with a sub-command per task (``config`` now; ``train``, ``convert``,
-``plan`` and ``bench`` arrive with their components). Sub-commands import their
+One executable with a sub-command per task (``config``, ``convert``; ``train``, ``plan``
+and ``bench`` arrive with their components). Sub-commands import their
 components lazily, so ``dapo-megatron --help`` and ``dapo-megatron config`` work on any
 machine, with or without megatron's GPU extras. Exit status: 0 on success, 2 for a
 config or usage error (with a message that names the key, the value and the rule), 1 for
@@ -27,6 +27,52 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from dapo_megatron.ckpt.convert import run_cli
+
+    run_cli(args.direction, args, log=lambda line: print(line, file=sys.stderr))
+    return 0
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``convert`` sub-commands (shared with tools/convert_ckpt/)."""
+    directions = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+    to_megatron = directions.add_parser(
+        "hf-to-megatron",
+        help="HF safetensors -> Megatron dist checkpoint (loads at any tp/pp layout)",
+        description="Convert a Hugging Face Qwen2/Qwen2.5 checkpoint into a megatron-core torch_dist checkpoint.",
+    )
+    to_megatron.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")
+    to_megatron.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
+    to_hf = directions.add_parser(
+        "megatron-to-hf",
+        help="Megatron dist checkpoint -> HF safetensors shards + config + tokenizer",
+        description="Convert a megatron-core torch_dist checkpoint (converted or trained) back into HF format.",
+    )
+    to_hf.add_argument("--ckpt", required=True, help="checkpoint folder, or a save folder with a 'latest' file")
+    to_hf.add_argument("--hf-config", required=True, help="folder with the model's config.json and tokenizer files")
+    to_hf.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
+    to_hf.add_argument(
+        "--dtype",
+        choices=["keep", "bfloat16", "float16", "float32"],
+        default="keep",
+        help="dtype of the written tensors (default: as stored)",
+    )
+    to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="size of each safetensors file (default 5)")
+    for sub in (to_megatron, to_hf):
+        sub.add_argument("--overwrite", action="store_true", help="replace an existing output folder (after success)")
+        verify = sub.add_mutually_exclusive_group()
+        verify.add_argument(
+            "--verify",
+            dest="verify",
+            action="store_true",
+            default=None,
+            help="compare logits with transformers' Qwen2 (default: on up to 2 GiB)",
+        )
+        verify.add_argument("--no-verify", dest="verify", action="store_false", help="skip the logit comparison")
+        sub.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``dapo-megatron`` and its sub-commands."""
     parser = argparse.ArgumentParser(
@@ -45,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("file", metavar="FILE.yaml", help="run config")
     config.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. parallel.tp_size=8")
     config.set_defaults(func=_cmd_config)
+
+    convert = commands.add_parser(
+        "convert",
+        help="convert checkpoints between Hugging Face and Megatron formats",
+        description="Exact, streaming HF <-> Megatron conversion for Qwen2/Qwen2.5 (verified against transformers).",
+    )
+    add_convert_arguments(convert)
+    convert.set_defaults(func=_cmd_convert)
     return parser
 
 
@@ -57,7 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except ConfigError as exc:  # includes ConversionError: bad input, explained
         print(f"dapo-megatron {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -22,14 +22,15 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.ckpt.dcp_io import LATEST, latest_checkpoint
+from dapo_megatron.ckpt.loading import load_megatron_weights
+
 logger = logging.getLogger(__name__)
 
-LATEST = "latest"
 _STEP_PREFIX = "step_"
 
 
@@ -183,21 +184,6 @@ def save_checkpoint(actor, save_dir: str | os.PathLike, keep_last: int = 0) -> P
     return final
 
 
-def latest_checkpoint(load_dir: str | os.PathLike) -> Optional[Path]:
-    """The checkpoint ``latest`` points at in ``load_dir`` (or ``load_dir`` itself if it is
-    one), or None when there is none yet."""
-    path = Path(load_dir)
-    if (path / "metadata.json").exists():
-        return path
-    marker = path / LATEST
-    if not marker.exists():
-        return None
-    target = path / json.loads(marker.read_text())["path"]
-    if not (target / "metadata.json").exists():
-        raise FileNotFoundError(f"{marker} points at {target}, which is not a complete checkpoint")
-    return target
-
-
 def load_checkpoint(actor, load_dir: str | os.PathLike, *, seed: int = 0) -> int:
     """Restore model, optimizer, scheduler, step (and RNG when the layout matches).
 
@@ -243,9 +229,6 @@ def load_checkpoint(actor, load_dir: str | os.PathLike, *, seed: int = 0) -> int
 
 def load_model_weights(actor, path: str | os.PathLike) -> None:
     """Load only the model weights from a dist checkpoint (e.g. a converted HF model)."""
-    from megatron.core import dist_checkpointing
-
-    loaded = dist_checkpointing.load({"model": actor.gpt.sharded_state_dict(prefix="")}, str(path))
-    actor.gpt.load_state_dict(loaded["model"])
+    load_megatron_weights(actor.gpt, latest_checkpoint(path) or path)
     # The optimizer keeps fp32 main copies of bf16 weights: refresh them from the model.
     actor.optimizer.reload_model_params()

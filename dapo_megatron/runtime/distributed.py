@@ -101,9 +101,9 @@ def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
             f"launched {world_size} processes but the layout needs parallel.num_nodes x "
             f"parallel.num_devices_per_node = {parallel.world_size}"
         )
-    if world_size == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    # A lone process gets its own rendezvous port rather than inheriting (and leaking into
+    # child processes) MASTER_PORT, which a previous run in this process may still hold.
+    init_method = f"tcp://127.0.0.1:{find_free_port()}" if world_size == 1 else "env://"
 
     if device_type == "cpu":
         cpu_compat.enable_cpu_runtime(allow_with_gpu=parallel.device == "cpu")
@@ -115,6 +115,7 @@ def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             backend=backend,
+            init_method=init_method,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(minutes=parallel.timeout_minutes),

@@ -1,0 +1,207 @@
+"""Qwen2 / Qwen2.5: the one place that knows how HF names and layouts map to Megatron's.
+
+Used by the checkpoint converter in both directions and by weight sync to the rollout
+engines, so a layout mistake cannot hide in one of them. Megatron differs from HF in:
+
+- **QKV** is one fused ``linear_qkv`` whose rows are interleaved per query group: for each
+  of the ``num_query_groups`` groups, that group's query heads, then its key head, then
+  its value head (``[q_1 .. q_k, k, v]`` per group). Biases the same way.
+- **SwiGLU** ``linear_fc1`` is ``[gate; up]`` (HF ``gate_proj`` then ``up_proj``).
+- **Norms** live on the following linear: ``input_layernorm`` is
+  ``linear_qkv.layer_norm_weight``, ``post_attention_layernorm`` is
+  ``linear_fc1.layer_norm_weight``.
+- **Layers** are stacked: Megatron's checkpoint stores ``decoder.layers.<name>`` as one
+  tensor ``[num_layers, ...]``.
+- **Vocabulary**: Megatron pads it to a multiple of ``divisor * tp``. Converted checkpoints
+  store the HF rows only (Megatron's embedding and output layer load with a shape
+  mismatch allowed, zero-filling padding); converting back strips any padding.
+- **Tied embeddings**: no ``output_layer.weight`` and no ``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+VOCAB_KEYS = (EMBEDDING, OUTPUT_LAYER)
+
+# Megatron layer parameter -> HF names of layer i (filled with the index).
+LAYER_PARAMS: dict[str, tuple[str, ...]] = {
+    "self_attention.linear_qkv.layer_norm_weight": ("model.layers.{i}.input_layernorm.weight",),
+    "self_attention.linear_qkv.weight": (
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "model.layers.{i}.self_attn.v_proj.weight",
+    ),
+    "self_attention.linear_qkv.bias": (
+        "model.layers.{i}.self_attn.q_proj.bias",
+        "model.layers.{i}.self_attn.k_proj.bias",
+        "model.layers.{i}.self_attn.v_proj.bias",
+    ),
+    "self_attention.linear_proj.weight": ("model.layers.{i}.self_attn.o_proj.weight",),
+    "mlp.linear_fc1.layer_norm_weight": ("model.layers.{i}.post_attention_layernorm.weight",),
+    "mlp.linear_fc1.weight": ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    "mlp.linear_fc2.weight": ("model.layers.{i}.mlp.down_proj.weight",),
+}
+
+
+@dataclass(frozen=True)
+class Qwen2Shape:
+    """The dimensions the mapping needs (from the HF config)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @classmethod
+    def from_model_config(cls, model) -> Qwen2Shape:
+        """From a resolved :class:`dapo_megatron.config.ModelConfig` (or a dict of its fields)."""
+        get = model.get if isinstance(model, dict) else lambda name: getattr(model, name)
+        return cls(**{name: get(name) for name in cls.__dataclass_fields__})
+
+
+def megatron_layer_key(name: str) -> str:
+    """The stacked checkpoint key of a layer parameter (``decoder.layers.<name>``)."""
+    return f"decoder.layers.{name}"
+
+
+def megatron_shapes(shape: Qwen2Shape) -> dict[str, tuple[int, ...]]:
+    """Global shape of every Megatron checkpoint tensor (vocabulary unpadded)."""
+    d, h, f = shape.head_dim, shape.hidden_size, shape.ffn_hidden_size
+    qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * d
+    per_layer = {
+        "self_attention.linear_qkv.layer_norm_weight": (h,),
+        "self_attention.linear_qkv.weight": (qkv_rows, h),
+        "self_attention.linear_qkv.bias": (qkv_rows,),
+        "self_attention.linear_proj.weight": (h, shape.num_attention_heads * d),
+        "mlp.linear_fc1.layer_norm_weight": (h,),
+        "mlp.linear_fc1.weight": (2 * f, h),
+        "mlp.linear_fc2.weight": (h, f),
+    }
+    shapes = {megatron_layer_key(k): (shape.num_layers, *v) for k, v in per_layer.items()}
+    shapes[EMBEDDING] = (shape.vocab_size, h)
+    shapes[FINAL_NORM] = (h,)
+    if not shape.tie_word_embeddings:
+        shapes[OUTPUT_LAYER] = (shape.vocab_size, h)
+    return shapes
+
+
+def hf_shapes(shape: Qwen2Shape) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of the model and its shape."""
+    d, h, f = shape.head_dim, shape.hidden_size, shape.ffn_hidden_size
+    q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
+    per_layer = {
+        "model.layers.{i}.input_layernorm.weight": (h,),
+        "model.layers.{i}.self_attn.q_proj.weight": (q, h),
+        "model.layers.{i}.self_attn.k_proj.weight": (kv, h),
+        "model.layers.{i}.self_attn.v_proj.weight": (kv, h),
+        "model.layers.{i}.self_attn.q_proj.bias": (q,),
+        "model.layers.{i}.self_attn.k_proj.bias": (kv,),
+        "model.layers.{i}.self_attn.v_proj.bias": (kv,),
+        "model.layers.{i}.self_attn.o_proj.weight": (h, q),
+        "model.layers.{i}.post_attention_layernorm.weight": (h,),
+        "model.layers.{i}.mlp.gate_proj.weight": (f, h),
+        "model.layers.{i}.mlp.up_proj.weight": (f, h),
+        "model.layers.{i}.mlp.down_proj.weight": (h, f),
+    }
+    shapes = {name.format(i=i): s for i in range(shape.num_layers) for name, s in per_layer.items()}
+    shapes["model.embed_tokens.weight"] = (shape.vocab_size, h)
+    shapes["model.norm.weight"] = (h,)
+    if not shape.tie_word_embeddings:
+        shapes["lm_head.weight"] = (shape.vocab_size, h)
+    return shapes
+
+
+def hf_names_of(megatron_key: str, layer: int | None = None) -> tuple[str, ...]:
+    """HF names that make up Megatron tensor ``megatron_key`` (of ``layer`` for layer params)."""
+    if megatron_key == EMBEDDING:
+        return ("model.embed_tokens.weight",)
+    if megatron_key == OUTPUT_LAYER:
+        return ("lm_head.weight",)
+    if megatron_key == FINAL_NORM:
+        return ("model.norm.weight",)
+    name = megatron_key.removeprefix("decoder.layers.")
+    if name not in LAYER_PARAMS or layer is None:
+        raise KeyError(f"no HF mapping for Megatron tensor {megatron_key!r} (layer {layer})")
+    return tuple(n.format(i=layer) for n in LAYER_PARAMS[name])
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Qwen2Shape) -> torch.Tensor:
+    """HF q/k/v (weights ``[rows, hidden]`` or biases ``[rows]``) -> Megatron's grouped QKV."""
+    groups, per_group, d = shape.num_query_groups, shape.heads_per_group, shape.head_dim
+    tail = q.shape[1:]
+    fused = torch.cat(
+        [
+            q.reshape(groups, per_group * d, *tail),
+            k.reshape(groups, d, *tail),
+            v.reshape(groups, d, *tail),
+        ],
+        dim=1,
+    )  # [groups, (per_group + 2) * d, ...]
+    return fused.reshape(-1, *tail)
+
+
+def split_qkv(fused: torch.Tensor, shape: Qwen2Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's grouped QKV -> HF q, k, v (contiguous)."""
+    groups, per_group, d = shape.num_query_groups, shape.heads_per_group, shape.head_dim
+    tail = fused.shape[1:]
+    grouped = fused.reshape(groups, (per_group + 2) * d, *tail)
+    q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
+    return (
+        q.reshape(-1, *tail).contiguous(),
+        k.reshape(-1, *tail).contiguous(),
+        v.reshape(-1, *tail).contiguous(),
+    )
+
+
+def to_megatron(megatron_key: str, hf_tensors: list[torch.Tensor], shape: Qwen2Shape) -> torch.Tensor:
+    """One Megatron tensor (one layer's slice, unstacked) from its HF tensors, in
+    :func:`hf_names_of` order."""
+    if megatron_key.endswith("linear_qkv.weight") or megatron_key.endswith("linear_qkv.bias"):
+        return interleave_qkv(*hf_tensors, shape)
+    if megatron_key.endswith("linear_fc1.weight"):
+        return torch.cat(hf_tensors, dim=0)
+    (tensor,) = hf_tensors
+    return tensor
+
+
+def to_hf(
+    megatron_key: str, tensor: torch.Tensor, shape: Qwen2Shape, layer: int | None = None
+) -> dict[str, torch.Tensor]:
+    """HF tensors from one Megatron tensor (one layer's slice; vocabulary padding stripped)."""
+    names = hf_names_of(megatron_key, layer)
+    if megatron_key.endswith("linear_qkv.weight") or megatron_key.endswith("linear_qkv.bias"):
+        return dict(zip(names, split_qkv(tensor, shape)))
+    if megatron_key.endswith("linear_fc1.weight"):
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        return dict(zip(names, (gate.contiguous(), up.contiguous())))
+    if megatron_key in VOCAB_KEYS:
+        tensor = tensor[: shape.vocab_size]
+    return {names[0]: tensor.contiguous()}
+
+
+def megatron_tensor_order(shape: Qwen2Shape) -> list[tuple[str, int | None]]:
+    """``(megatron_key, layer)`` pairs in model order: embedding, layers, final norm, output."""
+    order: list[tuple[str, int | None]] = [(EMBEDDING, None)]
+    for i in range(shape.num_layers):
+        order.extend((megatron_layer_key(name), i) for name in LAYER_PARAMS)
+    order.append((FINAL_NORM, None))
+    if not shape.tie_word_embeddings:
+        order.append((OUTPUT_LAYER, None))
+    return order

@@ -1,0 +1,229 @@
+"""HF <-> Megatron conversion: bitwise round trips, verification, and every refusal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dapo_megatron.ckpt import qwen2_mapping
+from dapo_megatron.ckpt.convert import ConversionError, hf_to_megatron, megatron_to_hf
+from dapo_megatron.ckpt.dcp_io import read_chunk, tensor_shapes
+
+
+def make_hf(path: Path, *, tied=False, vocab=250, layers=3, dtype=torch.float32, max_shard_size=None, seed=0) -> Path:
+    """A tiny random Qwen2ForCausalLM saved the way transformers saves it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        max_position_embeddings=128,
+    )
+    model = Qwen2ForCausalLM(config).to(dtype)
+    # Random biases (they start at zero) so a bias mapping mistake cannot hide.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.mark.parametrize(
+    ("tied", "vocab", "dtype"),
+    [(False, 256, torch.float32), (True, 256, torch.float32), (False, 250, torch.float32), (True, 250, torch.bfloat16)],
+)
+def test_round_trip_is_bitwise(tmp_path, tied, vocab, dtype):
+    hf = make_hf(tmp_path / "hf", tied=tied, vocab=vocab, dtype=dtype)
+    report = hf_to_megatron(hf, tmp_path / "mg", verify=True, progress=False)
+    assert report.verified and report.max_logit_error < 1e-5
+    stored = tensor_shapes(tmp_path / "mg")
+    assert ("output_layer.weight" in stored) is (not tied)
+    assert stored["embedding.word_embeddings.weight"] == ((vocab, 64), dtype)
+    assert stored["decoder.layers.self_attention.linear_qkv.weight"] == ((3, (8 + 2 * 2) * 8, 64), dtype)
+    back = megatron_to_hf(tmp_path / "mg", hf, tmp_path / "back", verify=True, progress=False)
+    assert back.verified
+    original, converted = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert sorted(original) == sorted(converted)
+    for name, tensor in original.items():
+        assert converted[name].dtype == tensor.dtype and torch.equal(converted[name], tensor), name
+    assert (tmp_path / "back" / "tokenizer.json").exists()
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["tie_word_embeddings"] is tied
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_qkv_layout_is_grouped_per_query_group(tmp_path):
+    hf = make_hf(tmp_path / "hf", layers=1)
+    hf_to_megatron(hf, tmp_path / "mg", verify=False, progress=False)
+    fused = read_chunk(
+        tmp_path / "mg", "decoder.layers.self_attention.linear_qkv.weight", (0, 0, 0), (1, 96, 64), torch.float32
+    )[0]
+    tensors = hf_tensors(hf)
+    q, k, v = (tensors[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    # Group 0: query heads 0-3 (32 rows), then key head 0, then value head 0; group 1 follows.
+    assert torch.equal(fused[:32], q[:32]) and torch.equal(fused[32:40], k[:8]) and torch.equal(fused[40:48], v[:8])
+    assert torch.equal(fused[48:80], q[32:]) and torch.equal(fused[80:88], k[8:]) and torch.equal(fused[88:], v[8:])
+    fc1 = read_chunk(tmp_path / "mg", "decoder.layers.mlp.linear_fc1.weight", (0, 0, 0), (1, 192, 64), torch.float32)[0]
+    assert torch.equal(fc1[:96], tensors["model.layers.0.mlp.gate_proj.weight"])
+    assert torch.equal(fc1[96:], tensors["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_sharded_input_and_output_with_index(tmp_path):
+    hf = make_hf(tmp_path / "hf", max_shard_size="100KB")
+    assert (hf / "model.safetensors.index.json").exists()
+    hf_to_megatron(hf, tmp_path / "mg", verify=False, progress=False)
+    megatron_to_hf(tmp_path / "mg", hf, tmp_path / "back", max_shard_bytes=100_000, verify=False, progress=False)
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    original, converted = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert all(torch.equal(converted[k], v) for k, v in original.items()) and sorted(original) == sorted(converted)
+
+
+def test_a_wrong_mapping_fails_verification_and_keeps_nothing(tmp_path, monkeypatch):
+    hf = make_hf(tmp_path / "hf")
+
+    def concatenated(q, k, v, shape):  # HF order instead of Megatron's per-group interleave
+        return torch.cat([q, k, v], dim=0)
+
+    monkeypatch.setattr(qwen2_mapping, "interleave_qkv", concatenated)
+    with pytest.raises(ConversionError, match="verification failed: Megatron and transformers logits differ"):
+        hf_to_megatron(hf, tmp_path / "mg", verify=True, progress=False)
+    assert not (tmp_path / "mg").exists() and not list(tmp_path.glob("mg*"))
+
+
+def test_unsupported_architecture(tmp_path):
+    hf = make_hf(tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (hf / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ConversionError, match=r"unsupported architecture \['LlamaForCausalLM'\]; supported: Qwen2ForCausalLM"
+    ):
+        hf_to_megatron(hf, tmp_path / "mg", progress=False)
+
+
+def _rewrite(hf: Path, change) -> None:
+    tensors = load_file(hf / "model.safetensors")
+    change(tensors)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_extra_and_misshaped_tensors_are_named(tmp_path):
+    hf = make_hf(tmp_path / "hf")
+    _rewrite(hf, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ConversionError, match="missing tensors: model.layers.1.mlp.up_proj.weight"):
+        hf_to_megatron(hf, tmp_path / "mg", progress=False)
+
+    hf = make_hf(tmp_path / "hf2")
+    _rewrite(hf, lambda t: t.update({"model.layers.0.self_attn.rogue.weight": torch.zeros(2)}))
+    with pytest.raises(ConversionError, match="unexpected tensors: model.layers.0.self_attn.rogue.weight"):
+        hf_to_megatron(hf, tmp_path / "mg", progress=False)
+
+    hf = make_hf(tmp_path / "hf3")
+    _rewrite(hf, lambda t: t.update({"model.layers.2.self_attn.o_proj.weight": torch.zeros(64, 32)}))
+    with pytest.raises(
+        ConversionError,
+        match=r"tensor model.layers.2.self_attn.o_proj.weight has shape \(64, 32\), but config.json implies \(64, 64\)",
+    ):
+        hf_to_megatron(hf, tmp_path / "mg", progress=False)
+    assert not list(tmp_path.glob("mg*"))
+
+
+def test_config_and_checkpoint_disagree(tmp_path):
+    hf = make_hf(tmp_path / "hf", layers=3)
+    hf_to_megatron(hf, tmp_path / "mg", verify=False, progress=False)
+    other = make_hf(tmp_path / "other", layers=2)
+    with pytest.raises(
+        ConversionError, match=r"has 3 layers .* says num_hidden_layers=2; the config and the checkpoint disagree"
+    ):
+        megatron_to_hf(tmp_path / "mg", other, tmp_path / "back", progress=False)
+    tied = make_hf(tmp_path / "tied", tied=True)
+    with pytest.raises(ConversionError, match="has an output_layer.weight but .* says tie_word_embeddings=true"):
+        megatron_to_hf(tmp_path / "mg", tied, tmp_path / "back", progress=False)
+    # An HF config that is tied while the HF checkpoint has its own lm_head.
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(ConversionError, match="unexpected tensors: lm_head.weight .*tie_word_embeddings=true"):
+        hf_to_megatron(hf, tmp_path / "mg2", progress=False)
+    with pytest.raises(ConversionError, match="is not a Megatron dist checkpoint"):
+        megatron_to_hf(tmp_path / "other", other, tmp_path / "back", progress=False)
+
+
+def test_existing_output_is_refused_and_overwrite_replaces_only_after_success(tmp_path, monkeypatch):
+    hf = make_hf(tmp_path / "hf")
+    (tmp_path / "mg").mkdir()
+    (tmp_path / "mg" / "precious.txt").write_text("keep me")
+    with pytest.raises(
+        ConversionError, match="output folder .*mg already exists; choose another --out or pass --overwrite"
+    ):
+        hf_to_megatron(hf, tmp_path / "mg", progress=False)
+    # A failing overwrite leaves the old folder as it was.
+    monkeypatch.setattr(qwen2_mapping, "interleave_qkv", lambda q, k, v, shape: torch.cat([q, k, v]))
+    with pytest.raises(ConversionError, match="verification failed"):
+        hf_to_megatron(hf, tmp_path / "mg", overwrite=True, verify=True, progress=False)
+    assert (tmp_path / "mg" / "precious.txt").read_text() == "keep me"
+    monkeypatch.undo()
+    hf_to_megatron(hf, tmp_path / "mg", overwrite=True, verify=True, progress=False)
+    assert not (tmp_path / "mg" / "precious.txt").exists() and (tmp_path / "mg" / "metadata.json").exists()
+
+
+def test_cli_round_trip_and_exit_status(tmp_path):
+    hf = make_hf(tmp_path / "hf")
+    run = [sys.executable, "-m", "dapo_megatron", "convert"]
+    ok = subprocess.run(
+        [*run, "hf-to-megatron", "--hf-dir", str(hf), "--out", str(tmp_path / "mg"), "--quiet"],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "verified against transformers" in ok.stderr
+    again = subprocess.run(
+        [*run, "hf-to-megatron", "--hf-dir", str(hf), "--out", str(tmp_path / "mg"), "--quiet"],
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 2 and "already exists" in again.stderr
+    tool = subprocess.run(
+        [
+            sys.executable,
+            "tools/convert_ckpt/megatron_to_hf.py",
+            "--ckpt",
+            str(tmp_path / "mg"),
+            "--hf-config",
+            str(hf),
+            "--out",
+            str(tmp_path / "back"),
+            "--quiet",
+            "--no-verify",
+            "--dtype",
+            "bfloat16",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert tool.returncode == 0, tool.stderr
+    assert "not verified" in tool.stderr
+    assert hf_tensors(tmp_path / "back")["model.norm.weight"].dtype == torch.bfloat16
