@@ -16,10 +16,11 @@ leaves a folder that looks finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -94,6 +95,19 @@ def _prepare_output(out: Path, overwrite: bool) -> Path:
     return staging
 
 
+@contextlib.contextmanager
+def _staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary folder next to ``out``; publish it as ``out`` if the body succeeds,
+    delete it if the body raises (``out`` is then untouched)."""
+    staging = _prepare_output(out, overwrite)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging, out)
+
+
 def _publish(staging: Path, out: Path) -> None:
     """Move the finished ``staging`` folder to ``out``; an old ``out`` goes only afterwards."""
     old = None
@@ -126,6 +140,13 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def _should_verify(verify: bool | str, num_bytes: int) -> bool:
@@ -235,7 +256,6 @@ def hf_to_megatron(
     shape = _shape_from_hf_config(hf_dir)
     hf = HFCheckpoint(hf_dir)
     hf.check_against(shape)
-    staging = _prepare_output(out, overwrite)
     global_shapes = megatron_shapes(shape)
     chunks = []
     for key, layer in megatron_tensor_order(shape):
@@ -253,18 +273,12 @@ def hf_to_megatron(
 
         chunks.append(dcp_io.ChunkSpec(key, tuple(full), offsets, tuple(sizes), dtype, produce))
     total = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
-    bar = _Progress(total, len(chunks), "hf->megatron", progress)
-    try:
-        dcp_io.write_dist_checkpoint(staging, chunks, on_written=lambda chunk, data: bar.update(data.nbytes))
-        bar.close()
-        report = ConversionReport(out=out, num_tensors=len(chunks), num_bytes=total, verified=False)
+    report = ConversionReport(out=out, num_tensors=len(chunks), num_bytes=total, verified=False)
+    with _staged_output(out, overwrite) as staging:
+        with _Progress(total, len(chunks), "hf->megatron", progress) as bar:
+            dcp_io.write_dist_checkpoint(staging, chunks, on_written=lambda chunk, data: bar.update(data.nbytes))
         if _should_verify(verify, total):
             _verify(hf_dir, staging, report)
-    except BaseException:
-        bar.close()
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _publish(staging, out)
     return report
 
 
@@ -397,28 +411,26 @@ def megatron_to_hf(
     )
     total = sum(torch.Size(s).numel() * d.itemsize for _, entries in groups for _, s, d in entries)
 
-    staging = _prepare_output(out, overwrite)
-    staging.mkdir()
-    bar = _Progress(total, len(names_to_shapes), "megatron->hf", progress)
     weight_map: dict[str, str] = {}
-    try:
-        for file_name, shard in zip(file_names, shards):
-            stream = _SafetensorsStream(staging / file_name, [entry for _, entries in shard for entry in entries])
-            for (key, layer), entries in shard:
-                full, stored_dtype = stored[key]
-                if layer is None:
-                    offsets, sizes = (0,) * len(full), full
-                else:
-                    offsets, sizes = (layer,) + (0,) * (len(full) - 1), (1, *full[1:])
-                tensor = dcp_io.read_chunk(checkpoint, key, offsets, sizes, stored_dtype)
-                converted = to_hf(key, tensor[0] if layer is not None else tensor, shape, layer)
-                for name, _, out_dtype in entries:
-                    value = converted[name].to(out_dtype)
-                    stream.write(name, value)
-                    weight_map[name] = file_name
-                    bar.update(value.nbytes)
-            stream.close()
-        bar.close()
+    with _staged_output(out, overwrite) as staging:
+        staging.mkdir()
+        with _Progress(total, len(names_to_shapes), "megatron->hf", progress) as bar:
+            for file_name, shard in zip(file_names, shards):
+                stream = _SafetensorsStream(staging / file_name, [entry for _, entries in shard for entry in entries])
+                for (key, layer), entries in shard:
+                    full, stored_dtype = stored[key]
+                    if layer is None:
+                        offsets, sizes = (0,) * len(full), full
+                    else:
+                        offsets, sizes = (layer,) + (0,) * (len(full) - 1), (1, *full[1:])
+                    tensor = dcp_io.read_chunk(checkpoint, key, offsets, sizes, stored_dtype)
+                    converted = to_hf(key, tensor[0] if layer is not None else tensor, shape, layer)
+                    for name, _, out_dtype in entries:
+                        value = converted[name].to(out_dtype)
+                        stream.write(name, value)
+                        weight_map[name] = file_name
+                        bar.update(value.nbytes)
+                stream.close()
         if len(file_names) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -428,11 +440,6 @@ def megatron_to_hf(
         report = ConversionReport(out=out, num_tensors=len(weight_map), num_bytes=total, verified=False)
         if _should_verify(verify, total):
             _verify(staging, checkpoint, report)
-    except BaseException:
-        bar.close()
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _publish(staging, out)
     return report
 
 
