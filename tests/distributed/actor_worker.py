@@ -250,3 +250,66 @@ def fused_against_megatron_logits(workdir: str, tied: bool) -> None:
                 "num_tokens": int(mask.sum()),
             },
         )
+
+
+# ---------------------------------------------------------------- weight sync to the rollout engine
+
+SYNC_PROMPTS = [[5, 17, 99, 3], [42, 8], [120, 64, 1, 2, 77]]
+SYNC_BUCKET_BYTES = 48 * 1024  # small, so the tiny model travels in many buckets
+
+
+def sync_generate_train(workdir: str, tp_size: int, pp_size: int) -> None:
+    """Sync to a transformers engine, generate, compare log-probs, train, sync again."""
+    from dapo_megatron.actor.weight_sync import sync_weights
+    from dapo_megatron.algo.metrics import rollout_consistency
+    from dapo_megatron.rollout.engine import SamplingParams
+    from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+
+    cfg = actor_config(tp_size, pp_size, lr=1e-2)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = _actor(cfg, info)
+        load_model_weights(actor, os.path.join(workdir, "init"))
+        engine = HFRolloutEngine.from_model_config(cfg.model) if info.rank == 0 else None
+        stats = sync_weights(actor, engine, bucket_bytes=SYNC_BUCKET_BYTES)
+        _save_weights(actor, os.path.join(workdir, "actor_1"))
+        samples = [None]
+        if info.rank == 0:
+            torch.save(engine.state_dict(), os.path.join(workdir, "engine_1.pt"))
+            greedy = engine.generate(SYNC_PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+            torch.save([g.token_ids for g in greedy], os.path.join(workdir, "greedy.pt"))
+            sampled = engine.generate(SYNC_PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, seed=1), n=2)
+            samples = [[(SYNC_PROMPTS[g.prompt_index], g.token_ids, g.log_probs) for g in sampled]]
+            _write_json(
+                Path(workdir, "sync_1.json"),
+                {
+                    "num_buckets": stats.num_buckets,
+                    "num_bytes": stats.num_bytes,
+                    "num_tensors": stats.num_tensors,
+                    "seconds": stats.seconds,
+                },
+            )
+        torch.distributed.broadcast_object_list(samples, src=0)
+        rows = samples[0]
+        width = max(len(p) + len(r) for p, r, _ in rows)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        engine_lp = torch.zeros(len(rows), width)
+        for i, (prompt, response, lps) in enumerate(rows):
+            tokens[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+            engine_lp[i, len(prompt) : len(prompt) + len(response)] = torch.tensor(lps)
+        batch = PolicyBatch(
+            tokens=tokens,
+            prompt_lengths=torch.tensor([len(p) for p, _, _ in rows]),
+            response_lengths=torch.tensor([len(r) for _, r, _ in rows]),
+            advantages=torch.tensor([1.0, -1.0] * (len(rows) // 2)),
+        )
+        actor_lp, _ = actor.compute_log_probs(batch)
+        consistency = rollout_consistency(actor_lp, engine_lp, batch.response_mask())
+        batch.old_log_probs = actor_lp
+        actor.train(batch)
+        sync_weights(actor, engine, bucket_bytes=SYNC_BUCKET_BYTES)
+        _save_weights(actor, os.path.join(workdir, "actor_2"))
+        if info.rank == 0:
+            torch.save(engine.state_dict(), os.path.join(workdir, "engine_2.pt"))
+            _write_json(
+                Path(workdir, "consistency.json"), {**consistency, "num_tokens": int(batch.response_mask().sum())}
+            )

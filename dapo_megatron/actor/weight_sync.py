@@ -1,0 +1,195 @@
+"""Stream the actor's weights to a rollout engine as buckets of HF-named tensors.
+
+After every training step the rollout engines need the new weights, in HF names and
+layouts. Megatron holds them split three ways: tensor-parallel shards, pipeline stages,
+and (for the checkpoint-side layout) fused QKV and gate/up. This module walks the model
+on every rank of the first data-parallel replica:
+
+- each tensor-parallel shard is gathered onto the stage's tensor-parallel rank 0 (the
+  *stage leader*), one parameter at a time; SwiGLU ``linear_fc1`` shards are
+  ``[gate_r; up_r]`` and are regrouped into ``[gate; up]``;
+- the leader converts the full parameter with :mod:`dapo_megatron.ckpt.qwen2_mapping`
+  (the converter's mapping; vocabulary padding stripped) under its *global* layer index
+  and packs the results into buckets of ``bucket_bytes``;
+- stage 0's leader (global rank 0, which holds the engine handle) feeds its own buckets
+  and then each later stage's, received bucket by bucket, to ``engine.update_weights``.
+
+No rank ever holds more than one parameter's full tensor plus one bucket, never the
+whole model. Every bucket tensor is freshly allocated (never a view of a live
+parameter), because the engine takes ownership of what it receives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.ckpt.qwen2_mapping import (
+    EMBEDDING,
+    FINAL_NORM,
+    LAYER_PARAMS,
+    OUTPUT_LAYER,
+    Qwen2Shape,
+    megatron_layer_key,
+    to_hf,
+)
+from dapo_megatron.rollout.engine import RolloutEngine, SyncStats, WeightBucket, WeightSyncError
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+# Megatron's local layer spec names the two norms after their modules; the Transformer
+# Engine spec (and the checkpoint) after the linear they are fused into.
+_LOCAL_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def _gather_to_leader(param: torch.Tensor, name: str, tp_group, leader: bool) -> Optional[torch.Tensor]:
+    """The full (TP-unsharded) parameter on the stage leader, a fresh tensor; None elsewhere."""
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    data = param.detach()
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return data.clone() if leader else None
+    dim = param.partition_dim
+    shards = [torch.empty_like(data) for _ in range(tp_size)] if leader else None
+    dist.gather(data.contiguous(), shards, dst=dist.get_global_rank(tp_group, 0), group=tp_group)
+    if not leader:
+        return None
+    if name.endswith("linear_fc1.weight"):
+        # Each shard is [gate_r; up_r]: regroup into [gate_0 .. gate_n; up_0 .. up_n].
+        halves = [torch.chunk(shard, 2, dim=0) for shard in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def iter_hf_tensors(actor) -> Iterator[tuple[str, torch.Tensor]]:
+    """This pipeline stage's weights as ``(hf_name, tensor)``, on its leader only.
+
+    Must be run by every tensor-parallel rank of the stage (the gathers are collective);
+    non-leaders yield nothing.
+    """
+    gpt = actor.gpt
+    shape = Qwen2Shape.from_model_config(actor.model_config)
+    tp_group = actor.tp_group
+    leader = actor.runtime.tp_rank == 0
+    params = dict(gpt.named_parameters())
+
+    def convert(megatron_key: str, param_name: str, layer: Optional[int]):
+        full = _gather_to_leader(params[param_name], megatron_key, tp_group, leader)
+        if leader:
+            yield from to_hf(megatron_key, full, shape, layer).items()
+
+    if gpt.pre_process:
+        yield from convert(EMBEDDING, "embedding.word_embeddings.weight", None)
+    for local_index, layer in enumerate(gpt.decoder.layers):
+        global_index = layer.layer_number - 1
+        prefix = f"decoder.layers.{local_index}."
+        for name in sorted(n[len(prefix) :] for n in params if n.startswith(prefix)):
+            canonical = _LOCAL_NAMES.get(name, name)
+            if canonical not in LAYER_PARAMS:
+                raise WeightSyncError(f"no HF mapping for actor parameter {prefix}{name}")
+            yield from convert(megatron_layer_key(canonical), prefix + name, global_index)
+    if gpt.post_process:
+        yield from convert(FINAL_NORM, "decoder.final_layernorm.weight", None)
+        if not shape.tie_word_embeddings:
+            yield from convert(OUTPUT_LAYER, "output_layer.weight", None)
+
+
+def iter_weight_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
+    """This stage's weights packed into buckets of about ``bucket_bytes`` (leader only)."""
+    bucket = WeightBucket()
+    size = 0
+    for name, tensor in iter_hf_tensors(actor):
+        if bucket.tensors and size + tensor.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = WeightBucket(), 0
+        bucket.tensors.append((name, tensor))
+        size += tensor.nbytes
+    if bucket.tensors:
+        yield bucket
+
+
+def _send_bucket(bucket: Optional[WeightBucket], dst: int) -> None:
+    """Send one bucket (or the end marker None) as metadata plus one flat byte buffer."""
+    meta = None if bucket is None else [(n, tuple(t.shape), t.dtype) for n, t in bucket.tensors]
+    dist.send_object_list([meta], dst=dst)
+    if bucket is not None:
+        flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket.tensors])
+        dist.send(flat, dst=dst)
+
+
+def _recv_buckets(src: int) -> Iterator[WeightBucket]:
+    while True:
+        holder = [None]
+        dist.recv_object_list(holder, src=src)
+        meta = holder[0]
+        if meta is None:
+            return
+        total = sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in meta)
+        flat = torch.empty(total, dtype=torch.uint8)
+        dist.recv(flat, src=src)
+        bucket, offset = WeightBucket(), 0
+        for name, shape, dtype in meta:
+            size = torch.Size(shape).numel() * dtype.itemsize
+            bucket.tensors.append((name, flat[offset : offset + size].view(dtype).view(shape)))
+            offset += size
+        yield bucket
+
+
+def sync_weights(
+    actor, engine: Optional[RolloutEngine], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Optional[SyncStats]:
+    """Push the actor's current weights into ``engine``. Collective over all actor ranks.
+
+    ``engine`` is the engine handle on global rank 0 (ignored elsewhere). Returns the
+    sync's statistics on rank 0 (wall time includes gathering and conversion), None on
+    other ranks. Raises :class:`WeightSyncError` on rank 0 when the engine refuses the
+    weights; it then keeps its previous ones.
+    """
+    from megatron.core import parallel_state
+
+    start = time.perf_counter()
+    stats = None
+    error: Optional[BaseException] = None
+    if actor.runtime.dp_rank == 0:
+        # The pipeline group of a tensor-parallel rank 0 holds every stage's leader.
+        stage_leaders = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+        is_leader = actor.runtime.tp_rank == 0
+        if is_leader and actor.runtime.pp_rank == 0:
+            if engine is None:
+                raise ValueError("sync_weights needs the engine on the first stage's leader (global rank 0)")
+
+            def stream() -> Iterator[WeightBucket]:
+                yield from iter_weight_buckets(actor, bucket_bytes)
+                for src in stage_leaders[1:]:
+                    yield from _recv_buckets(src)
+
+            buckets = stream()
+            try:
+                engine_stats = engine.update_weights(buckets)
+                stats = SyncStats(
+                    time.perf_counter() - start,
+                    engine_stats.num_bytes,
+                    engine_stats.num_tensors,
+                    engine_stats.num_buckets,
+                )
+            except BaseException as exc:  # drain the other stages so they do not hang, then raise
+                error = exc
+                for _ in buckets:
+                    pass
+        elif is_leader:
+            for bucket in iter_weight_buckets(actor, bucket_bytes):
+                _send_bucket(bucket, stage_leaders[0])
+            _send_bucket(None, stage_leaders[0])
+        else:
+            for _ in iter_weight_buckets(actor, bucket_bytes):
+                pass
+    dist.barrier()
+    if error is not None:
+        raise error
+    return stats

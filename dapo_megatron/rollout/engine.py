@@ -1,0 +1,125 @@
+"""The one interface the trainer drives rollout engines through.
+
+SGLang on a GPU and transformers on a CPU (tests and the embedded demo) both implement
+:class:`RolloutEngine`, so the trainer never knows which it has. An engine takes prompt
+token ids and returns, for every response, its token ids, text, the log-prob of each
+sampled token, and why it stopped; it takes new weights as a stream of buckets of
+HF-named tensors; and, when colocated with the actor, it can release and resume its
+device memory.
+
+The log-prob reported for a token is ``log_softmax(logits / temperature)`` at that token:
+the same quantity the actor computes for the same tokens, so their difference (the
+train/rollout consistency metric) measures only numerical mismatch between the two.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 = off)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    max_new_tokens: int = 128
+    """Longest response; a response that reaches it finishes with reason ``length``."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a response (kept as its last token); reason ``stop``."""
+    seed: Optional[int] = None
+    """Seed of the sampler, for reproducible rollouts."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
+            raise ValueError(
+                f"bad sampling parameters: temperature={self.temperature} (>= 0), top_p={self.top_p} "
+                f"(in (0, 1]), max_new_tokens={self.max_new_tokens} (>= 1)"
+            )
+
+
+@dataclass
+class Generation:
+    """One sampled response."""
+
+    prompt_index: int
+    """Which prompt of the request it answers."""
+    token_ids: list[int]
+    """The response's tokens (the stop token included when it stopped on one)."""
+    log_probs: list[float]
+    """``log_softmax(logits / temperature)`` of each response token when it was sampled."""
+    finish_reason: Literal["stop", "length"]
+    """``stop``: ended on a stop token; ``length``: reached ``max_new_tokens``."""
+    text: Optional[str] = None
+    """Decoded text, when the engine has a tokenizer."""
+
+
+@dataclass
+class WeightBucket:
+    """A group of HF-named tensors sent together. The engine takes ownership of them."""
+
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    """``(hf_name, tensor)`` pairs."""
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of tensor data in the bucket."""
+        return sum(t.nbytes for _, t in self.tensors)
+
+
+@dataclass
+class SyncStats:
+    """What one weight update moved."""
+
+    seconds: float
+    """Wall time from the first bucket to the last tensor in use."""
+    num_bytes: int
+    """Bytes of tensor data received."""
+    num_tensors: int
+    """Tensors received."""
+    num_buckets: int
+    """Buckets received."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update failed; the engine still serves its previous weights."""
+
+
+class RolloutEngine(abc.ABC):
+    """Generates responses; receives weights. See the module docstring."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Generation]:
+        """``n`` responses for each prompt, prompt by prompt (``n * len(prompts)`` results)."""
+
+    @abc.abstractmethod
+    def update_weights(self, buckets: Iterable[WeightBucket]) -> SyncStats:
+        """Replace the model's weights with the streamed tensors, all or nothing.
+
+        Raises :class:`WeightSyncError` (and keeps the previous weights) when the stream
+        fails, names an unknown tensor, has a wrong shape or dtype, or leaves tensors out.
+        """
+
+    @abc.abstractmethod
+    def release_memory(self) -> None:
+        """Free device memory (weights and caches) while the actor trains on the same GPUs."""
+
+    @abc.abstractmethod
+    def resume_memory(self) -> None:
+        """Take device memory back after :meth:`release_memory`."""
+
+    @abc.abstractmethod
+    def health(self) -> dict:
+        """A small status dict: at least ``ok`` (bool) and ``engine`` (its kind)."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Stop processes the engine started."""

@@ -1,0 +1,225 @@
+"""The transformers rollout engine: batched sampling on a CPU (or one GPU).
+
+This is the embedded default where SGLang cannot run: the tests and the CPU demo. It
+samples with ``transformers``' own ``generate`` (the same Qwen2 implementation the
+converter verifies against), reports each sampled token's ``log_softmax(logits / T)``
+from the raw logits ``generate`` returns, and takes weights from the actor as a stream of
+HF-named buckets, all or nothing: tensors are checked and staged as they arrive and put
+in place only when the whole model has arrived, so a failed or partial sync leaves the
+previous weights serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+
+from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape, hf_shapes
+from dapo_megatron.rollout.engine import (
+    Generation,
+    RolloutEngine,
+    SamplingParams,
+    SyncStats,
+    WeightBucket,
+    WeightSyncError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def qwen2_config_for(shape: Qwen2Shape, *, rms_norm_eps: float, rope_theta: float, max_position_embeddings: int):
+    """A transformers ``Qwen2Config`` with the given shape."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_query_groups,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        rms_norm_eps=rms_norm_eps,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_position_embeddings,
+    )
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Rollouts with a ``transformers`` Qwen2ForCausalLM.
+
+    Args:
+        model: the HF model (its weights are replaced by :meth:`update_weights`).
+        shape: the model's shape, for the list of tensors a sync must deliver.
+        tokenizer: optional, to return decoded text.
+        pad_token_id: id used to pad prompts in a batch (masked out; any id works).
+    """
+
+    def __init__(self, model, shape: Qwen2Shape, tokenizer=None, pad_token_id: int = 0) -> None:
+        self.model = model.eval()
+        self.shape = shape
+        self.tokenizer = tokenizer
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        self.released = False
+        self.weight_version = 0
+        self.last_sync: Optional[SyncStats] = None
+        self._expected = hf_shapes(shape)
+        self._params = dict(model.named_parameters())
+        unknown = sorted(set(self._expected) - set(self._params))
+        if unknown:
+            raise ValueError(f"the HF model has no parameters {unknown[:5]} that a Qwen2 of this shape needs")
+
+    @classmethod
+    def from_model_config(cls, model_config, *, dtype=torch.float32, device="cpu", tokenizer=None) -> HFRolloutEngine:
+        """An engine for a resolved :class:`ModelConfig`, with random weights until the first sync."""
+        from transformers import Qwen2ForCausalLM
+
+        shape = Qwen2Shape.from_model_config(model_config)
+        config = qwen2_config_for(
+            shape,
+            rms_norm_eps=model_config.rms_norm_eps,
+            rope_theta=model_config.rope_theta,
+            max_position_embeddings=model_config.max_position_embeddings,
+        )
+        model = Qwen2ForCausalLM(config).to(device=device, dtype=dtype)
+        return cls(model, shape, tokenizer=tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, hf_dir, *, dtype=torch.float32, device="cpu", tokenizer=None) -> HFRolloutEngine:
+        """An engine serving an HF checkpoint folder."""
+        from transformers import Qwen2ForCausalLM
+
+        from dapo_megatron.config import read_hf_model_shape
+
+        model = Qwen2ForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device)
+        return cls(model, Qwen2Shape.from_model_config(read_hf_model_shape(hf_dir)), tokenizer=tokenizer)
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Generation]:
+        from transformers import GenerationConfig
+
+        if self.released:
+            raise RuntimeError("generate() while the engine's memory is released; call resume_memory() first")
+        if not prompts or any(len(p) == 0 for p in prompts) or n < 1:
+            raise ValueError(f"need at least one non-empty prompt and n >= 1 (got {len(prompts)} prompts, n={n})")
+        rows = [prompt for prompt in prompts for _ in range(n)]
+        width = max(len(p) for p in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for i, prompt in enumerate(rows):  # left padding: every prompt ends at the last column
+            input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            attention[i, width - len(prompt) :] = 1
+        greedy = params.temperature == 0
+        stop = list(params.stop_token_ids)
+        config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy else (0 if params.top_k < 0 else params.top_k),
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=stop or None,
+            pad_token_id=self.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        with torch.random.fork_rng(devices=[]):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=config
+            )
+        new_tokens = out.sequences[:, width:].cpu()  # [rows, steps]
+        temperature = 1.0 if greedy else params.temperature
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # [rows, steps, vocab], raw
+        log_probs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        for i in range(len(rows)):
+            tokens = new_tokens[i].tolist()
+            length, reason = len(tokens), "length"
+            for t, token in enumerate(tokens):
+                if token in stop:
+                    length, reason = t + 1, "stop"
+                    break
+            ids = tokens[:length]
+            text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
+            results.append(Generation(i // n, ids, log_probs[i, :length].tolist(), reason, text))
+        return results
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, buckets: Iterable[WeightBucket]) -> SyncStats:
+        start = time.perf_counter()
+        staged: dict[str, torch.Tensor] = {}
+        num_bytes = num_buckets = 0
+        try:
+            for bucket in buckets:
+                num_buckets += 1
+                for name, tensor in bucket.tensors:
+                    self._check(name, tensor, staged)
+                    param = self._params[name]
+                    staged[name] = tensor.to(device=param.device, dtype=param.dtype).contiguous()
+                    num_bytes += tensor.nbytes
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise WeightSyncError(
+                f"weight stream failed after {len(staged)} tensors ({type(exc).__name__}: {exc}); "
+                "the engine keeps its previous weights"
+            ) from exc
+        missing = sorted(set(self._expected) - set(staged))
+        if missing:
+            raise WeightSyncError(
+                f"partial weight sync: {len(missing)} tensors never arrived ({', '.join(missing[:5])}"
+                f"{', ...' if len(missing) > 5 else ''}); the engine keeps its previous weights"
+            )
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                self._params[name].data = tensor  # adopt: no second copy
+        self.weight_version += 1
+        self.last_sync = SyncStats(time.perf_counter() - start, num_bytes, len(staged), num_buckets)
+        return self.last_sync
+
+    def _check(self, name: str, tensor: torch.Tensor, staged: dict) -> None:
+        if name not in self._expected:
+            raise WeightSyncError(f"weight sync sent unknown tensor {name!r}; the engine keeps its previous weights")
+        if name in staged:
+            raise WeightSyncError(f"weight sync sent {name!r} twice; the engine keeps its previous weights")
+        if tuple(tensor.shape) != tuple(self._expected[name]):
+            raise WeightSyncError(
+                f"weight sync sent {name!r} with shape {tuple(tensor.shape)}, expected {tuple(self._expected[name])}; "
+                "the engine keeps its previous weights"
+            )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The served weights by HF name (detached references)."""
+        return {name: self._params[name].detach() for name in self._expected}
+
+    # ------------------------------------------------------------------ memory and health
+
+    def release_memory(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.released = True
+
+    def resume_memory(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+        self.released = False
+
+    def health(self) -> dict:
+        return {
+            "ok": not self.released,
+            "engine": "hf",
+            "device": str(self.device),
+            "released": self.released,
+            "weight_version": self.weight_version,
+            "last_sync_seconds": self.last_sync.seconds if self.last_sync else None,
+        }
