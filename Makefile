@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 # The CPU build lies on these machines' disk; never let pip pull a CUDA torch here.
 TORCH_SPEC ?= torch==2.13.0
+# The SGLang release the GPU engine wrapper targets; its wheel is downloaded (not
+# installed: its CUDA kernels do not install here) for the source contract test.
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_WHEEL_DIR := $(VENV)/sglang-wheel
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dapo-installed
 
@@ -23,6 +27,7 @@ $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip download -q --no-deps -d $(SGLANG_WHEEL_DIR) "$(SGLANG_SPEC)"
 	touch $(STAMP)
 
 clean:

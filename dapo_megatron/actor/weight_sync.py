@@ -15,8 +15,9 @@ on every rank of the first data-parallel replica:
   and then each later stage's, received bucket by bucket, to ``engine.update_weights``.
 
 No rank ever holds more than one parameter's full tensor plus one bucket, never the
-whole model. Every bucket tensor is freshly allocated (never a view of a live
-parameter), because the engine takes ownership of what it receives.
+whole model. Unsharded parameters travel as views of the live weights (no copy); the
+engine copies what it receives before the sync returns, and training does not resume
+until then.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ _LOCAL_NAMES = {
 
 
 def _gather_to_leader(param: torch.Tensor, name: str, tp_group, leader: bool) -> Optional[torch.Tensor]:
-    """The full (TP-unsharded) parameter on the stage leader, a fresh tensor; None elsewhere."""
+    """The full (TP-unsharded) parameter on the stage leader (a view when it is not
+    sharded); None elsewhere."""
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     data = param.detach()
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return data.clone() if leader else None
+        return data if leader else None
     dim = param.partition_dim
     shards = [torch.empty_like(data) for _ in range(tp_size)] if leader else None
     dist.gather(data.contiguous(), shards, dst=dist.get_global_rank(tp_group, 0), group=tp_group)

@@ -65,7 +65,11 @@ class Generation:
 
 @dataclass
 class WeightBucket:
-    """A group of HF-named tensors sent together. The engine takes ownership of them."""
+    """A group of HF-named tensors sent together.
+
+    The tensors may be views of the sender's live weights: an engine copies what it keeps
+    before ``update_weights`` returns and never holds on to the bucket's tensors.
+    """
 
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     """``(hf_name, tensor)`` pairs."""

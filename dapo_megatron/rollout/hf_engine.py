@@ -4,9 +4,11 @@ This is the embedded default where SGLang cannot run: the tests and the CPU demo
 samples with ``transformers``' own ``generate`` (the same Qwen2 implementation the
 converter verifies against), reports each sampled token's ``log_softmax(logits / T)``
 from the raw logits ``generate`` returns, and takes weights from the actor as a stream of
-HF-named buckets, all or nothing: tensors are checked and staged as they arrive and put
-in place only when the whole model has arrived, so a failed or partial sync leaves the
-previous weights serving.
+HF-named buckets, all or nothing: tensors are checked and copied into a second set of
+buffers as they arrive, and the two sets are swapped only when the whole model has
+arrived, so a failed or partial sync leaves the previous weights serving. The second set
+is kept between syncs (the engine holds two copies of the weights), so a sync copies
+into memory that is already mapped instead of allocating a model's worth every step.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class HFRolloutEngine(RolloutEngine):
         self.last_sync: Optional[SyncStats] = None
         self._expected = hf_shapes(shape)
         self._params = dict(model.named_parameters())
+        self._spare: dict[str, torch.Tensor] = {}
         unknown = sorted(set(self._expected) - set(self._params))
         if unknown:
             raise ValueError(f"the HF model has no parameters {unknown[:5]} that a Qwen2 of this shape needs")
@@ -163,8 +166,10 @@ class HFRolloutEngine(RolloutEngine):
                 num_buckets += 1
                 for name, tensor in bucket.tensors:
                     self._check(name, tensor, staged)
-                    param = self._params[name]
-                    staged[name] = tensor.to(device=param.device, dtype=param.dtype).contiguous()
+                    spare = self._spare.get(name)
+                    if spare is None:
+                        spare = self._spare[name] = torch.empty_like(self._params[name].data)
+                    staged[name] = spare.copy_(tensor)
                     num_bytes += tensor.nbytes
         except WeightSyncError:
             raise
@@ -181,7 +186,9 @@ class HFRolloutEngine(RolloutEngine):
             )
         with torch.no_grad():
             for name, tensor in staged.items():
-                self._params[name].data = tensor  # adopt: no second copy
+                # Swap the buffers: the new weights serve, the old ones are next sync's spare.
+                self._spare[name] = self._params[name].data
+                self._params[name].data = tensor
         self.weight_version += 1
         self.last_sync = SyncStats(time.perf_counter() - start, num_bytes, len(staged), num_buckets)
         return self.last_sync
@@ -204,6 +211,7 @@ class HFRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ memory and health
 
     def release_memory(self) -> None:
+        self._spare.clear()
         if self.device.type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()
