@@ -131,3 +131,23 @@ def test_module_imports_without_sglang_and_says_what_to_do():
             sglang_engine.SGLangRolloutEngine("/nonexistent")
     else:
         pytest.skip("sglang is installed here")
+
+
+def test_broadcast_protocol_matches_sglangs_receiver():
+    """broadcast_sync sends dtype names SGLang resolves with getattr(torch, name), one
+    broadcast per tensor from group rank 0, in the announced order; and builds its group
+    the way SGLang builds its end (group ranks as global ranks)."""
+    receiver = wheel().read("sglang/srt/model_executor/model_runner_components/weight_updater.py").decode()
+    assert "getattr(torch, dtype)" in receiver
+    assert "for name, dtype, shape in zip(names, dtypes, shapes)" in receiver
+    assert "src=0" in receiver
+    group_helper = wheel().read("sglang/srt/utils/common.py").decode()
+    assert "_world.pg_group_ranks[pg] = {i: i for i in range(world_size)}" in group_helper
+    assert "PrefixStore(group_name, store)" in group_helper
+    import torch
+
+    from dapo_megatron.actor.broadcast_sync import bucket_metadata
+    from dapo_megatron.rollout.engine import WeightBucket
+
+    names, dtypes, shapes = bucket_metadata(WeightBucket([("a", torch.zeros(2, 3, dtype=torch.bfloat16))]))
+    assert (names, dtypes, shapes) == (["a"], ["bfloat16"], [[2, 3]]) and getattr(torch, dtypes[0]) is torch.bfloat16

@@ -1,0 +1,104 @@
+"""Send weight buckets to rollout engines on other GPUs over their own process group.
+
+When engines do not share the actor's GPUs (SGLang's disaggregated mode), a trainer-side
+sender and every engine rank form a separate process group: the sender is rank 0, engine
+ranks follow (SGLang's ``init_weights_update_group`` with ``rank_offset=1``). For each
+bucket, the engine is told the names, dtypes and shapes (SGLang's
+``update_weights_from_distributed``), and the sender broadcasts the tensors in that order
+from rank 0, which is exactly what SGLang's receiving side does with them.
+
+The group is independent of the actor's default process group (its own TCP rendezvous
+and store prefix), built the same way SGLang builds its side, so both ends agree. NCCL on
+GPU; gloo works for tests on a CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.rollout.engine import SyncStats, WeightBucket
+
+
+def init_weight_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "nccl",
+    timeout: Optional[datetime.timedelta] = None,
+):
+    """Join (or, as rank 0, host) a process group separate from the default one.
+
+    torch has no public API for a second, independent group across processes that do not
+    share the default group; this uses the same torch internals SGLang uses for its end.
+    """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timeout or datetime.timedelta(minutes=10)
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+    )
+    # Collectives name ranks as "global" ranks; in this group they are the group ranks
+    # (SGLang's side does the same, so src=0 means the sender on both ends).
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def bucket_metadata(bucket: WeightBucket) -> tuple[list[str], list[str], list[list[int]]]:
+    """``(names, dtypes, shapes)`` as SGLang's ``update_weights_from_distributed`` takes them."""
+    names = [name for name, _ in bucket.tensors]
+    dtypes = [str(tensor.dtype).removeprefix("torch.") for _, tensor in bucket.tensors]
+    shapes = [list(tensor.shape) for _, tensor in bucket.tensors]
+    return names, dtypes, shapes
+
+
+def broadcast_buckets(
+    buckets: Iterable[WeightBucket],
+    group,
+    announce: Callable[[list[str], list[str], list[list[int]], bool], Any],
+    *,
+    device: Optional[torch.device] = None,
+) -> SyncStats:
+    """Stream buckets to the engines: announce each, then broadcast its tensors from rank 0.
+
+    ``announce(names, dtypes, shapes, last)`` must start the engines' receive without
+    waiting for it (e.g. a Ray ``.remote()`` call of
+    :meth:`SGLangRolloutEngine.receive_broadcast_bucket`) and may return a handle with a
+    ``wait()`` or ``result()`` method, which is waited on after the broadcasts.
+    """
+    import time
+
+    start = time.perf_counter()
+    num_bytes = num_tensors = num_buckets = 0
+    pending: Optional[WeightBucket] = None
+
+    def send(bucket: WeightBucket, last: bool) -> None:
+        handle = announce(*bucket_metadata(bucket), last)
+        for _, tensor in bucket.tensors:
+            dist.broadcast(tensor.to(device) if device is not None else tensor.contiguous(), src=0, group=group)
+        for method in ("wait", "result"):
+            if hasattr(handle, method):
+                getattr(handle, method)()
+                break
+
+    # Hold one bucket back so the engines learn which bucket is the last (cache flush).
+    for bucket in buckets:
+        if pending is not None:
+            send(pending, last=False)
+        pending = bucket
+        num_buckets += 1
+        num_tensors += len(bucket.tensors)
+        num_bytes += bucket.num_bytes
+    if pending is not None:
+        send(pending, last=True)
+    return SyncStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)
