@@ -1,6 +1,6 @@
 """The ``dapo-megatron`` command line.
 
-One executable with a sub-command per task (``config``, ``convert``; ``train``, ``plan``
+One executable with a sub-command per task (``config``, ``plan``, ``convert``; ``train``
 and ``bench`` arrive with their components). Sub-commands import their
 components lazily, so ``dapo-megatron --help`` and ``dapo-megatron config`` work on any
 machine, with or without megatron's GPU extras. Exit status: 0 on success, 2 for a
@@ -24,6 +24,21 @@ EXIT_USAGE = 2
 def _cmd_config(args: argparse.Namespace) -> int:
     config = load_config(args.file, args.overrides)
     sys.stdout.write(config.to_yaml())
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dapo_megatron.plan import format_plan, make_plan
+
+    plan = make_plan(load_config(args.file, args.overrides))
+    print(format_plan(plan))
+    if not plan.fits:
+        print(
+            f"dapo-megatron plan: error: {args.file}: layout does not fit: {'; '.join(plan.problems)}; "
+            f"smallest change that fits: {plan.suggestion}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     return 0
 
 
@@ -91,6 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("file", metavar="FILE.yaml", help="run config")
     config.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. parallel.tp_size=8")
     config.set_defaults(func=_cmd_config)
+
+    plan = commands.add_parser(
+        "plan",
+        help="check a layout and estimate per-GPU memory before queueing a job",
+        description="Validate the layout against the world size and model shape, count parameters, and estimate "
+        "per-GPU memory (weights, gradients, distributed optimizer, activations, log-prob buffers, SGLang). "
+        "Exits 2 with the reason and the smallest change that fits when it does not fit.",
+    )
+    plan.add_argument("file", metavar="FILE.yaml", help="run config")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    plan.set_defaults(func=_cmd_plan)
 
     convert = commands.add_parser(
         "convert",

@@ -112,6 +112,8 @@ class ParallelConfig:
     """Shard optimizer state over data-parallel ranks (megatron's distributed optimizer)."""
     timeout_minutes: int = 30
     """Collective timeout; a hung rank fails the run after this long."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GiB (H100/H200 80 GB class by default), for ``dapo-megatron plan``."""
 
     @property
     def world_size(self) -> int:
@@ -149,6 +151,12 @@ class RolloutConfig:
     """Size of the buckets in which weights are streamed to the engines."""
     seed: int = 1234
     """Seed of the rollout samplers."""
+    val_n_samples: int = 32
+    """Responses per validation prompt (avg@32 for AIME)."""
+    val_temperature: float = 1.0
+    """Sampling temperature for validation."""
+    val_top_p: float = 0.7
+    """Nucleus sampling threshold for validation."""
 
 
 @dataclass
@@ -338,7 +346,7 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[list[str]
     sources: dict[str, str] = {}
     config = _build(Config, raw, "", source, sources)
     for override in overrides or []:
-        _apply_override(config, override)
+        apply_override(config, override)
         sources[override.split("=", 1)[0].strip()] = COMMAND_LINE
     resolve_model_shape(config.model, _Where(sources, source))
     validate(config, sources=sources, default_source=source)
@@ -460,7 +468,7 @@ def _build(cls: type, raw: Any, prefix: str, source: str, sources: dict[str, str
     return cls(**kwargs)
 
 
-def _apply_override(config: Config, override: str) -> None:
+def apply_override(config: Config, override: str) -> None:
     """Apply one ``section.key=value`` override in place, with type coercion."""
     if "=" not in override:
         raise ConfigError(f"{COMMAND_LINE}: override {override!r} must look like section.key=value")
@@ -669,7 +677,15 @@ def validate(config: Config, *, sources: Optional[dict[str, str]] = None, defaul
         "num_engines",
         "engine_tp_size",
         "weight_sync_bucket_mb",
+        "val_n_samples",
     )
+    if not 0 < r.gpu_memory_utilization < 1:
+        fail(
+            ("rollout.gpu_memory_utilization",),
+            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1)",
+        )
+    if p.gpu_memory_gb <= 0:
+        fail(("parallel.gpu_memory_gb",), f"parallel.gpu_memory_gb={p.gpu_memory_gb} must be > 0")
     positive(d, "data", "train_batch_size", "gen_batch_size", "mini_batch_size")
     positive(t, "trainer", "num_steps", "micro_batch_max_tokens")
 

@@ -37,6 +37,7 @@ def run(rank: int, port: int, world_size: int, out_dir: str) -> None:
         announce.count = 0
         stats = broadcast_buckets(buckets, group, announce)
         torch.save(stats, os.path.join(out_dir, "stats.pt"))
+        _finish(group)
         return
     received = {}
     for index in range(2):
@@ -49,3 +50,10 @@ def run(rank: int, port: int, world_size: int, out_dir: str) -> None:
         if last:
             break
     torch.save(received, os.path.join(out_dir, f"received_{rank}.pt"))
+    _finish(group)
+
+
+def _finish(group) -> None:
+    # Rank 0 hosts the group's TCP store: nobody leaves before everyone is done with it.
+    torch.distributed.barrier(group=group)
+    torch.distributed.destroy_process_group(group)

@@ -1,0 +1,205 @@
+"""The Qwen2.5-32B recipe, `dapo-megatron plan`, and the SLURM scripts (shellcheck, dry runs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dapo_megatron.cli import main
+from dapo_megatron.config import ConfigError, load_config
+from dapo_megatron.plan import GIB, make_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "examples" / "qwen2_5_32b" / "dapo.yaml"
+SHARED_CONFIG = ROOT.parent / "shared" / "models" / "qwen2_5_32b_config.json"
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
+
+
+def test_recipe_has_the_papers_settings():
+    cfg = load_config(RECIPE)
+    assert (cfg.data.train_batch_size, cfg.rollout.n_samples_per_prompt, cfg.data.mini_batch_size) == (512, 16, 512)
+    assert cfg.data.train_batch_size * cfg.rollout.n_samples_per_prompt // cfg.data.mini_batch_size == 16
+    assert (cfg.trainer.lr, cfg.trainer.lr_warmup_steps) == (1e-6, 20)
+    assert (cfg.algorithm.clip_ratio_low, cfg.algorithm.clip_ratio_high) == (0.2, 0.28)
+    assert (cfg.rollout.max_response_length, cfg.algorithm.overlong_buffer_len) == (20480, 4096)
+    assert (
+        cfg.algorithm.loss_agg_mode == "token-mean" and cfg.algorithm.dynamic_sampling and not cfg.algorithm.use_kl_loss
+    )
+    assert (cfg.rollout.val_n_samples, cfg.rollout.val_temperature, cfg.rollout.val_top_p) == (32, 1.0, 0.7)
+    assert cfg.model.transformer_impl == "transformer_engine" and cfg.model.params_dtype == "bfloat16"
+    assert cfg.parallel.world_size == 128
+
+
+def test_recipe_model_config_is_the_public_32b_one():
+    import json
+
+    shipped = json.loads((ROOT / "examples" / "qwen2_5_32b" / "config.json").read_text())
+    if SHARED_CONFIG.exists():
+        assert shipped == json.loads(SHARED_CONFIG.read_text())
+    assert shipped["num_hidden_layers"] == 64 and shipped["vocab_size"] == 152064
+
+
+def test_plan_counts_parameters_exactly_and_matches_a_hand_computation():
+    plan = make_plan(load_config(RECIPE))
+    assert plan.num_parameters == 32_763_876_352
+    assert plan.fits and plan.padded_vocab == 152_576 and plan.layer_split == [32, 32]
+    # By hand, tp 8 x pp 2 x dp 8, the last stage (32 layers + final norm + output layer):
+    per_layer_sharded = (5120 * 7168 + 7168) + 5120 * 5120 + 3 * 5120 * 27648  # qkv+bias, proj, mlp
+    assert per_layer_sharded == 487_595_008
+    last_stage = (32 * per_layer_sharded + 152_576 * 5120) // 8 + 32 * 2 * 5120 + 5120
+    assert last_stage == 2_048_361_472
+    mem = plan.memory
+    assert mem.parameters == last_stage
+    assert mem.weights == 2 * last_stage  # bf16
+    assert mem.gradients == 4 * last_stage  # fp32 grad buffer
+    assert mem.optimizer == 12 * last_stage // 8  # fp32 main + Adam m + v over dp = 8
+    assert mem.activations == 32 * 24576 * (2 * 5120 // 8) * 2  # recompute + SP: 2h/tp bytes, pp = 2 in flight
+    chunk = 128 * 2**20 // (4 * 19_072)  # 1,759 tokens of the 19,072-row vocabulary shard
+    assert mem.logprob == 2 * chunk * 19_072 * 4 + 24576 * 5120 * 2
+    assert mem.sglang == int(0.6 * 80 * GIB)
+    assert mem.sglang_weights == 32_763_876_352 * 2 // 4
+    assert (
+        mem.train_phase
+        == 2 * last_stage + 4 * last_stage + 12 * last_stage // 8 + mem.activations + mem.logprob + 3 * GIB
+    )
+    assert mem.rollout_phase == 6 * last_stage + 12 * last_stage // 8 + int(0.6 * 80 * GIB) + 3 * GIB
+    assert 19 * GIB < mem.train_phase < 21 * GIB and 64 * GIB < mem.rollout_phase < 67 * GIB
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason", "suggestion"),
+    [
+        (
+            ["rollout.gpu_memory_utilization=0.9"],
+            "rollout phase needs 89.3 GiB per GPU > parallel.gpu_memory_gb=80",
+            "rollout.gpu_memory_utilization=0.7",
+        ),
+        (
+            ["parallel.num_nodes=4"] + ["rollout.num_engines=32"],
+            "colocated engines must cover the actor's GPUs",
+            "rollout.num_engines=8",
+        ),
+        (
+            [
+                "parallel.tp_size=1",
+                "parallel.pp_size=1",
+                "parallel.sequence_parallel=false",
+                "rollout.engine_tp_size=8",
+                "rollout.num_engines=16",
+            ],
+            "train phase needs",
+            "use more nodes",
+        ),
+        (
+            ["rollout.engine_tp_size=1", "rollout.num_engines=128"],
+            "leave no KV cache",
+            "rollout.engine_tp_size=2 rollout.num_engines=64",
+        ),
+    ],
+)
+def test_plan_refuses_layouts_that_cannot_fit(overrides, reason, suggestion, capsys):
+    plan = make_plan(load_config(RECIPE, overrides))
+    assert not plan.fits and any(reason in p for p in plan.problems), plan.problems
+    assert suggestion in plan.suggestion
+    assert main(["plan", str(RECIPE), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert reason in err and "smallest change that fits" in err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["parallel.tp_size=3", "parallel.num_devices_per_node=6", "parallel.num_nodes=20"],
+            "parallel.tp_size=3 must divide model.num_attention_heads=40",
+        ),
+        (["parallel.pp_size=3", "parallel.num_nodes=24"], "parallel.pp_size=3 must divide model.num_layers=64"),
+        (["trainer.micro_batch_max_tokens=16384"], "must hold one full sequence"),
+    ],
+)
+def test_plan_refuses_impossible_layouts(overrides, message, capsys):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RECIPE, overrides)
+    assert main(["plan", str(RECIPE), *overrides]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_cli_prints_the_table(capsys):
+    assert main(["plan", str(RECIPE)]) == 0
+    out = capsys.readouterr().out
+    assert "32,763,876,352 parameters" in out and "train phase" in out and "rollout phase" in out and "fits" in out
+
+
+SCRIPTS = ROOT / "examples" / "qwen2_5_32b"
+
+
+def test_scripts_pass_shellcheck():
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    result = subprocess.run(
+        [str(shellcheck), "-x", "train.sbatch", "convert.sbatch", "slurm_common.sh"],
+        cwd=SCRIPTS,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _dry_run(script, *args, **env):
+    full_env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "SLURM_JOB_NODELIST": "gpu-[007-008]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "99",
+        "MODEL_DIR": "/models/Qwen2.5-32B",
+        "DATA_DIR": "/data",
+        "OUTPUT_DIR": "/runs/dapo",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        **env,
+    }
+    return subprocess.run(["bash", str(SCRIPTS / script), *args], capture_output=True, text=True, env=full_env)
+
+
+def test_train_dry_run_for_a_two_node_allocation():
+    result = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.5")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    head = [line for line in lines if "ray start --head" in line]
+    workers = [line for line in lines if "ray start --address=gpu-007:6379" in line]
+    assert len(head) == 1 and "-w gpu-007" in head[0] and "--num-gpus=8" in head[0]
+    assert len(workers) == 1 and "-w gpu-008" in workers[0]
+    train = [line for line in lines if "dapo-megatron train examples/qwen2_5_32b/dapo.yaml" in line]
+    assert len(train) == 1
+    for expected in (
+        "model.hf_config=/models/Qwen2.5-32B",
+        "parallel.num_nodes=2",
+        "rollout.num_engines=4",
+        "checkpoint.load_dir=/runs/dapo/qwen2_5_32b_mcore",
+        "rollout.gpu_memory_utilization=0.5",
+    ):
+        assert expected in train[0]
+    plan = [line for line in lines if "dapo-megatron plan" in line]
+    assert len(plan) == 1 and lines.index(plan[0]) < lines.index(head[0])
+    # The layout the dry run would launch is one `plan` accepts (with the shipped model config).
+    overrides = train[0].split("dapo.yaml ", 1)[1].replace("\\[", "[").replace("\\]", "]").split()
+    overrides = [o for o in overrides if not o.startswith("model.hf_config=")]
+    assert make_plan(load_config(RECIPE, overrides)).fits
+
+
+def test_convert_dry_run_and_missing_settings():
+    result = _dry_run("convert.sbatch", "--verify")
+    assert result.returncode == 0, result.stderr
+    assert (
+        "dapo-megatron convert hf-to-megatron --hf-dir /models/Qwen2.5-32B --out /runs/dapo/qwen2_5_32b_mcore --verify"
+        in (result.stdout)
+    )
+    missing = _dry_run("train.sbatch", MODEL_DIR="")
+    assert missing.returncode != 0 and "set MODEL_DIR" in missing.stderr
