@@ -90,6 +90,8 @@ class MemoryEstimate:
     gradients: int
     optimizer: int
     activations: int
+    activations_no_recompute: int
+    activations_recompute: int
     logprob: int
     sglang: int
     sglang_weights: int
@@ -115,13 +117,10 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     layers = max(pipeline_layer_split(m.num_layers, p))
     tokens = t.micro_batch_max_tokens
     h = m.hidden_size
-    if m.recompute_activations:
-        per_token_layer = 2 * h / (p.tp_size if p.sequence_parallel else 1)
-    elif p.sequence_parallel:
-        per_token_layer = h * 34 / p.tp_size
-    else:
-        per_token_layer = h * (10 + 24 / p.tp_size)
-    activations = int(layers * tokens * per_token_layer * p.pp_size)
+    recompute_per_token_layer = 2 * h / (p.tp_size if p.sequence_parallel else 1)
+    full_per_token_layer = h * 34 / p.tp_size if p.sequence_parallel else h * (10 + 24 / p.tp_size)
+    activations_recompute = int(layers * tokens * recompute_per_token_layer * p.pp_size)
+    activations_no_recompute = int(layers * tokens * full_per_token_layer * p.pp_size)
     vocab_shard = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size) // p.tp_size
     chunk_tokens = min(tokens, max(16, LOGPROB_CHUNK_BYTES // (4 * vocab_shard)))
     logprob = 2 * chunk_tokens * vocab_shard * 4 + tokens * h * param_bytes
@@ -136,7 +135,9 @@ def estimate_memory(config: Config) -> MemoryEstimate:
         weights=params * param_bytes,
         gradients=params * 4,
         optimizer=params * 12 // (dp if p.use_distributed_optimizer else 1),
-        activations=activations,
+        activations=activations_recompute if m.recompute_activations else activations_no_recompute,
+        activations_no_recompute=activations_no_recompute,
+        activations_recompute=activations_recompute,
         logprob=logprob,
         sglang=sglang,
         sglang_weights=sglang_weights,
@@ -270,7 +271,9 @@ def format_plan(plan: Plan) -> str:
         f"  weights (bf16)                 {gib(mem.weights)}",
         f"  gradients (fp32 buffer)        {gib(mem.gradients)}",
         f"  optimizer (fp32 main+m+v / dp) {gib(mem.optimizer)}",
-        f"  activations ({c.trainer.micro_batch_max_tokens} tokens x {p.pp_size} in flight) {gib(mem.activations)}",
+        f"  activations ({c.trainer.micro_batch_max_tokens} tokens x {p.pp_size} in flight, "
+        f"{'with' if c.model.recompute_activations else 'without'} recompute) {gib(mem.activations)}",
+        f"    (without recompute {mem.activations_no_recompute / GIB:.2f} GiB, with {mem.activations_recompute / GIB:.2f} GiB)",
         f"  log-prob buffers               {gib(mem.logprob)}",
         f"  framework overhead             {gib(mem.overhead)}",
         f"  = train phase                  {gib(mem.train_phase)}",

@@ -18,8 +18,8 @@ from tests.distributed.layout_worker import tiny_config
 VOCAB = 128
 
 
-def actor_config(tp_size, pp_size, dp_size=1, **trainer):
-    cfg = tiny_config(tp_size, pp_size, dp_size=dp_size)
+def actor_config(tp_size, pp_size, dp_size=1, vocab_size=VOCAB, **trainer):
+    cfg = tiny_config(tp_size, pp_size, dp_size=dp_size, vocab_size=vocab_size)
     cfg.trainer.lr = trainer.get("lr", 1e-3)
     cfg.trainer.lr_warmup_steps = trainer.get("lr_warmup_steps", 0)
     cfg.trainer.adam_eps = 1e-3  # see layout_worker.ADAM_EPS
@@ -177,13 +177,19 @@ def _train_steps(actor, batch, steps, losses):
         losses.append({"loss": metrics[0]["loss"], "lr": metrics[0]["lr"], "grad_norm": metrics[0]["grad_norm"]})
 
 
-def train_and_save(workdir: str, tp_size: int, pp_size: int) -> None:
+def _resume_batch(vocab_size: int) -> PolicyBatch:
+    batch = make_batch(9, RESUME_RESPONSES)
+    batch.tokens = batch.tokens % vocab_size
+    return batch
+
+
+def train_and_save(workdir: str, tp_size: int, pp_size: int, vocab_size: int = VOCAB) -> None:
     """Three steps, checkpoint, a fourth step; losses and the final weights to files."""
-    cfg = actor_config(tp_size, pp_size, lr=5e-3, lr_warmup_steps=5)
+    cfg = actor_config(tp_size, pp_size, vocab_size=vocab_size, lr=5e-3, lr_warmup_steps=5)
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
         actor = _actor(cfg, info)
         load_model_weights(actor, os.path.join(workdir, "init"))
-        batch = make_batch(9, RESUME_RESPONSES)
+        batch = _resume_batch(vocab_size)
         # The sampling policy's log-probs: the initial weights', fixed for every step.
         batch.old_log_probs, _ = actor.compute_log_probs(batch)
         if info.rank == 0:
@@ -197,12 +203,12 @@ def train_and_save(workdir: str, tp_size: int, pp_size: int) -> None:
             _write_json(Path(workdir, "losses_uninterrupted.json"), losses)
 
 
-def resume_and_step(workdir: str, tp_size: int, pp_size: int) -> None:
-    cfg = actor_config(tp_size, pp_size, lr=5e-3, lr_warmup_steps=5)
+def resume_and_step(workdir: str, tp_size: int, pp_size: int, vocab_size: int = VOCAB) -> None:
+    cfg = actor_config(tp_size, pp_size, vocab_size=vocab_size, lr=5e-3, lr_warmup_steps=5)
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
         actor = _actor(cfg, info)
         step = load_checkpoint(actor, os.path.join(workdir, "ckpt"), seed=cfg.trainer.seed)
-        batch = make_batch(9, RESUME_RESPONSES)
+        batch = _resume_batch(vocab_size)
         batch.old_log_probs = torch.load(os.path.join(workdir, "old_log_probs.pt"))
         losses = []
         _train_steps(actor, batch, 1, losses)

@@ -25,7 +25,7 @@ SEQ_LEN = 16
 ADAM_EPS = 1e-3
 
 
-def tiny_config(tp_size: int, pp_size: int, dp_size: int = 1):
+def tiny_config(tp_size: int, pp_size: int, dp_size: int = 1, vocab_size: int = 128):
     return config_from_dict(
         {
             "model": {
@@ -34,9 +34,9 @@ def tiny_config(tp_size: int, pp_size: int, dp_size: int = 1):
                 "ffn_hidden_size": 128,
                 "num_attention_heads": 4,
                 "num_query_groups": 2,
-                # A multiple of make_vocab_size_divisible_by * tp for tp in {1, 2}: no padding,
-                # so the checkpoint has the same shapes in every layout.
-                "vocab_size": 128,
+                # 128 is a multiple of make_vocab_size_divisible_by * tp for tp in {1, 2}: no
+                # padding, so the checkpoint has the same shapes in every layout.
+                "vocab_size": vocab_size,
                 "make_vocab_size_divisible_by": 8,
                 "max_position_embeddings": 64,
                 "rms_norm_eps": 1e-6,
@@ -87,9 +87,9 @@ def _save(model, path: str) -> None:
     dist_checkpointing.save(_sharded(model), path)
 
 
-def save_initial(workdir: str) -> None:
+def save_initial(workdir: str, vocab_size: int = 128) -> None:
     """One rank: random tiny model, saved as a megatron dist checkpoint."""
-    cfg = tiny_config(1, 1)
+    cfg = tiny_config(1, 1, vocab_size=vocab_size)
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed):
         model = _build(cfg)
         _save(model, os.path.join(workdir, "init"))

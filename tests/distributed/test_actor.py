@@ -121,3 +121,22 @@ def test_training_lowers_loss_and_resume_across_layouts_is_exact(init_dir, tmp_p
         assert moved > 20 * 1e-5 * scale, f"{name} did not move in step 4"
         diff = (a - resumed_4[name]).abs().max().item()
         assert diff <= 1e-5 * scale, f"{name}: resumed differs by {diff} (scale {scale})"
+
+
+@pytest.mark.timeout(600)
+def test_resume_when_the_layout_changes_the_vocabulary_padding(tmp_path):
+    # vocab 120 is unpadded at tp=1 (multiple of 8) but padded to 128 at tp=2: the model
+    # and the optimizer state of the embedding and output layer must still carry over.
+    launch_local(layout_worker.save_initial, 1, (str(tmp_path), 120))
+    launch_local(actor_worker.train_and_save, 1, (str(tmp_path), 1, 1, 120))
+    launch_local(actor_worker.resume_and_step, 2, (str(tmp_path), 2, 1, 120))
+    uninterrupted = json.loads((tmp_path / "losses_uninterrupted.json").read_text())
+    resumed = json.loads((tmp_path / "losses_resumed.json").read_text())
+    assert resumed["losses"][0]["loss"] == pytest.approx(uninterrupted[3]["loss"], rel=1e-5)
+    assert resumed["losses"][0]["grad_norm"] == pytest.approx(uninterrupted[3]["grad_norm"], rel=1e-5)
+    after_4 = _weights(tmp_path / "final_uninterrupted", tmp_path, "uninterrupted")
+    resumed_4 = _weights(tmp_path / "final_resumed", tmp_path, "resumed")
+    assert resumed_4["embedding.word_embeddings.weight"].shape[0] == 128
+    for name, a in after_4.items():
+        b = resumed_4[name][: a.shape[0]]  # the real vocabulary rows
+        assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item(), name

@@ -61,7 +61,8 @@ def test_plan_counts_parameters_exactly_and_matches_a_hand_computation():
     assert mem.weights == 2 * last_stage  # bf16
     assert mem.gradients == 4 * last_stage  # fp32 grad buffer
     assert mem.optimizer == 12 * last_stage // 8  # fp32 main + Adam m + v over dp = 8
-    assert mem.activations == 32 * 24576 * (2 * 5120 // 8) * 2  # recompute + SP: 2h/tp bytes, pp = 2 in flight
+    assert mem.activations == mem.activations_recompute == 32 * 24576 * (2 * 5120 // 8) * 2  # 2h/tp bytes, pp = 2
+    assert mem.activations_no_recompute == 32 * 24576 * (5120 * 34 // 8) * 2  # sequence parallel: 34h/tp bytes
     chunk = 128 * 2**20 // (4 * 19_072)  # 1,759 tokens of the 19,072-row vocabulary shard
     assert mem.logprob == 2 * chunk * 19_072 * 4 + 24576 * 5120 * 2
     assert mem.sglang == int(0.6 * 80 * GIB)
