@@ -149,6 +149,13 @@ class _Progress:
         self.close()
 
 
+def _region(full: tuple[int, ...], layer: Optional[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of one layer of a stacked tensor, or of a whole unstacked one."""
+    if layer is None:
+        return (0,) * len(full), tuple(full)
+    return (layer,) + (0,) * (len(full) - 1), (1, *full[1:])
+
+
 def _should_verify(verify: bool | str, num_bytes: int) -> bool:
     if verify == "auto":
         return num_bytes <= VERIFY_AUTO_MAX_BYTES
@@ -262,10 +269,7 @@ def hf_to_megatron(
         names = hf_names_of(key, layer)
         dtype = _torch_dtype(hf.dtypes[names[0]])
         full = global_shapes[key]
-        if layer is None:
-            offsets, sizes = (0,) * len(full), full
-        else:
-            offsets, sizes = (layer,) + (0,) * (len(full) - 1), (1, *full[1:])
+        offsets, sizes = _region(full, layer)
 
         def produce(key=key, names=names, layer=layer) -> torch.Tensor:
             tensor = to_megatron(key, [hf.read(n) for n in names], shape)
@@ -419,10 +423,7 @@ def megatron_to_hf(
                 stream = _SafetensorsStream(staging / file_name, [entry for _, entries in shard for entry in entries])
                 for (key, layer), entries in shard:
                     full, stored_dtype = stored[key]
-                    if layer is None:
-                        offsets, sizes = (0,) * len(full), full
-                    else:
-                        offsets, sizes = (layer,) + (0,) * (len(full) - 1), (1, *full[1:])
+                    offsets, sizes = _region(full, layer)
                     tensor = dcp_io.read_chunk(checkpoint, key, offsets, sizes, stored_dtype)
                     converted = to_hf(key, tensor[0] if layer is not None else tensor, shape, layer)
                     for name, _, out_dtype in entries:
