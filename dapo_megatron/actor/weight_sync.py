@@ -81,10 +81,14 @@ def iter_hf_tensors(actor) -> Iterator[tuple[str, torch.Tensor]]:
     leader = actor.runtime.tp_rank == 0
     params = dict(gpt.named_parameters())
 
+    # q/k/v are rearranged on every sync: reuse the same export buffers each time rather
+    # than faulting in fresh memory (the engine copies them before the sync returns).
+    buffers = actor.__dict__.setdefault("_hf_export_buffers", {})
+
     def convert(megatron_key: str, param_name: str, layer: Optional[int]):
         full = _gather_to_leader(params[param_name], megatron_key, tp_group, leader)
         if leader:
-            yield from to_hf(megatron_key, full, shape, layer).items()
+            yield from to_hf(megatron_key, full, shape, layer, buffers).items()
 
     if gpt.pre_process:
         yield from convert(EMBEDDING, "embedding.word_embeddings.weight", None)

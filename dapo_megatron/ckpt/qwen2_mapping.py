@@ -21,6 +21,7 @@ engines, so a layout mistake cannot hide in one of them. Megatron differs from H
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -157,11 +158,13 @@ def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Qwe
     return fused.reshape(-1, *tail)
 
 
-def split_qkv(fused: torch.Tensor, shape: Qwen2Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron's grouped QKV -> HF q, k, v (new contiguous tensors).
+def split_qkv(
+    fused: torch.Tensor, shape: Qwen2Shape, out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's grouped QKV -> HF q, k, v (contiguous).
 
-    Rows are picked with ``index_select`` (whole contiguous rows per copy), which is much
-    faster than reshaping a strided view for large hidden sizes.
+    Rows are picked with ``index_select`` (whole contiguous rows per copy). ``out`` reuses
+    caller-owned buffers, which avoids faulting in fresh memory on every weight sync.
     """
     groups, per_group, d = shape.num_query_groups, shape.heads_per_group, shape.head_dim
     block = (per_group + 2) * d  # rows per query group
@@ -170,11 +173,10 @@ def split_qkv(fused: torch.Tensor, shape: Qwen2Shape) -> tuple[torch.Tensor, tor
     def rows(first: int, count: int) -> torch.Tensor:
         return (starts + first + torch.arange(count)).reshape(-1).to(fused.device)
 
-    return (
-        fused.index_select(0, rows(0, per_group * d)),
-        fused.index_select(0, rows(per_group * d, d)),
-        fused.index_select(0, rows((per_group + 1) * d, d)),
-    )
+    indices = (rows(0, per_group * d), rows(per_group * d, d), rows((per_group + 1) * d, d))
+    if out is None:
+        return tuple(fused.index_select(0, index) for index in indices)
+    return tuple(torch.index_select(fused, 0, index, out=buffer) for index, buffer in zip(indices, out))
 
 
 def to_megatron(megatron_key: str, hf_tensors: list[torch.Tensor], shape: Qwen2Shape) -> torch.Tensor:
@@ -189,12 +191,24 @@ def to_megatron(megatron_key: str, hf_tensors: list[torch.Tensor], shape: Qwen2S
 
 
 def to_hf(
-    megatron_key: str, tensor: torch.Tensor, shape: Qwen2Shape, layer: int | None = None
+    megatron_key: str,
+    tensor: torch.Tensor,
+    shape: Qwen2Shape,
+    layer: int | None = None,
+    buffers: Optional[dict[str, torch.Tensor]] = None,
 ) -> dict[str, torch.Tensor]:
-    """HF tensors from one Megatron tensor (one layer's slice; vocabulary padding stripped)."""
+    """HF tensors from one Megatron tensor (one layer's slice; vocabulary padding stripped).
+
+    Tensors that must be rearranged (q/k/v) are written into ``buffers[hf_name]`` when a
+    dict is given (created on first use and reused); the rest may be views of ``tensor``.
+    """
     names = hf_names_of(megatron_key, layer)
     if megatron_key.endswith("linear_qkv.weight") or megatron_key.endswith("linear_qkv.bias"):
-        return dict(zip(names, split_qkv(tensor, shape)))
+        out = None
+        if buffers is not None:
+            rows = (shape.num_attention_heads * shape.head_dim, *(2 * (shape.num_query_groups * shape.head_dim,)))
+            out = tuple(buffers.setdefault(n, tensor.new_empty((r, *tensor.shape[1:]))) for n, r in zip(names, rows))
+        return dict(zip(names, split_qkv(tensor, shape, out)))
     if megatron_key.endswith("linear_fc1.weight"):
         gate, up = torch.chunk(tensor, 2, dim=0)
         return dict(zip(names, (gate.contiguous(), up.contiguous())))
