@@ -147,6 +147,8 @@ class MegatronActor:
         padded = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, parallel.tp_size)
         self.vocab_start = runtime.tp_rank * (padded // parallel.tp_size)
         self.pad_multiple = parallel.tp_size if parallel.sequence_parallel else 1
+        # Reused by weight sync for the q/k/v it rearranges into HF layout on every sync.
+        self.hf_export_buffers: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ internals
 

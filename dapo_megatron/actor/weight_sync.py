@@ -83,7 +83,7 @@ def iter_hf_tensors(actor) -> Iterator[tuple[str, torch.Tensor]]:
 
     # q/k/v are rearranged on every sync: reuse the same export buffers each time rather
     # than faulting in fresh memory (the engine copies them before the sync returns).
-    buffers = actor.__dict__.setdefault("_hf_export_buffers", {})
+    buffers = actor.hf_export_buffers
 
     def convert(megatron_key: str, param_name: str, layer: Optional[int]):
         full = _gather_to_leader(params[param_name], megatron_key, tp_group, leader)
