@@ -343,20 +343,16 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[list[str]
                 f"found {type(loaded).__name__}"
             )
         raw = loaded
+    return config_from_dict(raw, source, overrides)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: Optional[list[str]] = None) -> Config:
+    """Build, override, resolve and validate a config from a nested dict (as parsed from YAML)."""
     sources: dict[str, str] = {}
     config = _build(Config, raw, "", source, sources)
     for override in overrides or []:
         apply_override(config, override)
         sources[override.split("=", 1)[0].strip()] = COMMAND_LINE
-    resolve_model_shape(config.model, _Where(sources, source))
-    validate(config, sources=sources, default_source=source)
-    return config
-
-
-def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
-    """Build and validate a config from a nested dict (as parsed from YAML)."""
-    sources: dict[str, str] = {}
-    config = _build(Config, raw, "", source, sources)
     resolve_model_shape(config.model, _Where(sources, source))
     validate(config, sources=sources, default_source=source)
     return config

@@ -15,13 +15,14 @@ GPU; gloo works for tests on a CPU.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.rollout.engine import SyncStats, WeightBucket
+from dapo_megatron.rollout.engine import SyncStats, WeightBucket, with_last_flag
 
 
 def init_weight_update_group(
@@ -76,11 +77,9 @@ def broadcast_buckets(
     :meth:`SGLangRolloutEngine.receive_broadcast_bucket`) and may return a handle with a
     ``wait()`` or ``result()`` method, which is waited on after the broadcasts.
     """
-    import time
 
     start = time.perf_counter()
     num_bytes = num_tensors = num_buckets = 0
-    pending: Optional[WeightBucket] = None
 
     def send(bucket: WeightBucket, last: bool) -> None:
         handle = announce(*bucket_metadata(bucket), last)
@@ -91,14 +90,9 @@ def broadcast_buckets(
                 getattr(handle, method)()
                 break
 
-    # Hold one bucket back so the engines learn which bucket is the last (cache flush).
-    for bucket in buckets:
-        if pending is not None:
-            send(pending, last=False)
-        pending = bucket
+    for bucket, last in with_last_flag(buckets):
+        send(bucket, last)
         num_buckets += 1
         num_tensors += len(bucket.tensors)
         num_bytes += bucket.num_bytes
-    if pending is not None:
-        send(pending, last=True)
     return SyncStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)

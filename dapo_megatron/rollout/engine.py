@@ -15,7 +15,7 @@ train/rollout consistency metric) measures only numerical mismatch between the t
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -92,6 +92,18 @@ class SyncStats:
     """Tensors received."""
     num_buckets: int
     """Buckets received."""
+
+
+def with_last_flag(buckets: Iterable[WeightBucket]) -> Iterator[tuple[WeightBucket, bool]]:
+    """``(bucket, is_last)`` pairs, holding one bucket back so the last one is known
+    (engines flush their KV cache after it)."""
+    pending: Optional[WeightBucket] = None
+    for bucket in buckets:
+        if pending is not None:
+            yield pending, False
+        pending = bucket
+    if pending is not None:
+        yield pending, True
 
 
 class WeightSyncError(RuntimeError):

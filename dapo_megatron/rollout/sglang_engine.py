@@ -33,6 +33,7 @@ from dapo_megatron.rollout.engine import (
     SyncStats,
     WeightBucket,
     WeightSyncError,
+    with_last_flag,
 )
 
 SUPPORTED_SGLANG = "0.5.23"
@@ -131,23 +132,15 @@ class SGLangRolloutEngine(RolloutEngine):
     def update_weights(self, buckets: Iterable[WeightBucket]) -> SyncStats:
         start = time.perf_counter()
         num_bytes = num_tensors = num_buckets = 0
-        pending: Optional[WeightBucket] = None
         self.consistent = False
         try:
-            # Hold one bucket back so the last call can flush the KV cache.
-            for bucket in buckets:
-                if pending is not None:
-                    self._engine.update_weights_from_tensor(
-                        named_tensors=pending.tensors, load_format=None, flush_cache=False
-                    )
-                pending = bucket
+            for bucket, last in with_last_flag(buckets):
+                self._engine.update_weights_from_tensor(
+                    named_tensors=bucket.tensors, load_format=None, flush_cache=last
+                )
                 num_buckets += 1
                 num_tensors += len(bucket.tensors)
                 num_bytes += bucket.num_bytes
-            if pending is not None:
-                self._engine.update_weights_from_tensor(
-                    named_tensors=pending.tensors, load_format=None, flush_cache=True
-                )
         except Exception as exc:
             raise WeightSyncError(
                 f"SGLang weight update failed after {num_tensors} tensors ({type(exc).__name__}: {exc}); the engine's "
