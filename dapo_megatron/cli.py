@@ -1,7 +1,7 @@
 """The ``dapo-megatron`` command line.
 
-One executable with a sub-command per task (``config``, ``plan``, ``convert``; ``train``
-and ``bench`` arrive with their components). Sub-commands import their
+One executable with a sub-command per task (``config``, ``plan``, ``train``, ``convert``;
+``bench`` arrives with its component). Sub-commands import their
 components lazily, so ``dapo-megatron --help`` and ``dapo-megatron config`` work on any
 machine, with or without megatron's GPU extras. Exit status: 0 on success, 2 for a
 config or usage error (with a message that names the key, the value and the rule), 1 for
@@ -39,6 +39,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import logging
+
+    from dapo_megatron.trainer import train
+
+    config = load_config(args.file, args.overrides)
+    logging.basicConfig(
+        level=config.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
+    result = train(config)
+    summary = f"trained {result.steps} steps; run folder {result.run_dir}"
+    if result.val_before is not None:
+        summary += f"; validation accuracy {result.val_before:.1%} -> {result.val_after:.1%}"
+    print(summary)
+    print(f"TensorBoard: tensorboard --logdir {result.run_dir / 'tensorboard'}")
     return 0
 
 
@@ -117,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("file", metavar="FILE.yaml", help="run config")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     plan.set_defaults(func=_cmd_plan)
+
+    train = commands.add_parser(
+        "train",
+        help="run DAPO training (Ray, the Megatron actor, rollout engines)",
+        description="Start (or join, with ray.address) a Ray cluster, place the Megatron actor's ranks and the "
+        "rollout engines, and run trainer.num_steps DAPO steps, logging to TensorBoard, metrics.jsonl and the console.",
+    )
+    train.add_argument("file", metavar="FILE.yaml", help="run config")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    train.set_defaults(func=_cmd_train)
 
     convert = commands.add_parser(
         "convert",

@@ -216,6 +216,13 @@ class DataConfig:
     mini_batch_size: int = 512
     """Responses per gradient update; ``train_batch_size * n_samples_per_prompt`` must be
     a multiple of it."""
+    data_source_key: str = "data_source"
+    """Column naming each prompt's data source (metrics are also reported per source);
+    a file without it reports its file name as the source."""
+    deduplicate: bool = False
+    """Keep one copy of prompts that repeat with the same answer (the published
+    ``dapo-math-17k.parquet`` repeats each of its 17k prompts 100 times); the loader always
+    reports how many distinct prompts a file holds."""
     shuffle: bool = True
     """Shuffle the prompts every epoch."""
     seed: int = 42
@@ -248,6 +255,9 @@ class TrainerConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     val_every: int = 5
     """Run validation every this many steps; 0 disables it."""
+    val_before_train: bool = True
+    """Validate the initial policy (logged as step 0) before the first step, and again
+    after the last step, when ``data.val_files`` are set."""
     output_dir: str = "runs/dapo"
     """Run folder: the resolved config, logs and (by default) checkpoints go here."""
 
@@ -281,6 +291,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class RayConfig:
+    """Where the run's processes are placed."""
+
+    address: Optional[str] = None
+    """Ray cluster to join (``head:6379``; ``train.sbatch`` passes the head it started).
+    Unset: a private local Ray instance is started inside the run folder and stopped at
+    the end."""
+    num_cpus: Optional[int] = None
+    """Logical CPUs of a local instance; default: one per actor rank and engine, at least
+    the machine's cores."""
+    engine_num_threads: int = 0
+    """Threads of each CPU rollout engine's torch ops; 0 = the machine's cores."""
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -300,6 +325,8 @@ class Config:
     """Metrics."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Process placement (Ray)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict, as it would be written in YAML."""
@@ -825,6 +852,17 @@ def validate(config: Config, *, sources: Optional[dict[str, str]] = None, defaul
         fail(("trainer.grad_clip",), f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     if t.lr_warmup_steps < 0:
         fail(("trainer.lr_warmup_steps",), f"trainer.lr_warmup_steps={t.lr_warmup_steps} must be >= 0")
+    _validate_ray(config.ray, fail)
+
+
+def _validate_ray(ray: RayConfig, fail) -> None:
+    """Rules of the ``ray`` section."""
+    if ray.num_cpus is not None and ray.num_cpus < 1:
+        fail(("ray.num_cpus",), f"ray.num_cpus={ray.num_cpus} must be at least 1")
+    if ray.engine_num_threads < 0:
+        fail(("ray.engine_num_threads",), f"ray.engine_num_threads={ray.engine_num_threads} must be >= 0")
+    if ray.address is not None and not ray.address.strip():
+        fail(("ray.address",), "ray.address is empty; unset it to start a local Ray instance")
 
 
 def data_parallel_size(parallel: ParallelConfig) -> int:

@@ -129,12 +129,12 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def shard_for_data_parallel(batch: PolicyBatch, dp_rank: int, dp_size: int, num_mini_batches: int = 1) -> PolicyBatch:
+def data_parallel_rows(batch: PolicyBatch, dp_rank: int, dp_size: int, num_mini_batches: int = 1) -> list[int]:
     """This data-parallel rank's rows of a rollout batch, mini-batch by mini-batch.
 
     Every global mini-batch (consecutive rows) is divided into ``dp_size`` equal parts
     balanced by tokens (longest rows first, each to the least-loaded rank with room); the
-    rank's parts are concatenated in mini-batch order, so splitting the result into
+    rank's parts are concatenated in mini-batch order, so splitting the selected rows into
     ``num_mini_batches`` equal parts gives this rank's share of each global mini-batch.
     """
     if batch.num_rows % (num_mini_batches * dp_size):
@@ -154,4 +154,9 @@ def shard_for_data_parallel(batch: PolicyBatch, dp_rank: int, dp_size: int, num_
             assigned[rank].append(row)
             load[rank] += lengths[row]
         mine.extend(sorted(assigned[dp_rank]))
-    return batch.select(mine)
+    return mine
+
+
+def shard_for_data_parallel(batch: PolicyBatch, dp_rank: int, dp_size: int, num_mini_batches: int = 1) -> PolicyBatch:
+    """The rows :func:`data_parallel_rows` gives this rank, as a batch."""
+    return batch.select(data_parallel_rows(batch, dp_rank, dp_size, num_mini_batches))

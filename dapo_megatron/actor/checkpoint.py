@@ -232,3 +232,13 @@ def load_model_weights(actor, path: str | os.PathLike) -> None:
     load_megatron_weights(actor.gpt, latest_checkpoint(path) or path)
     # The optimizer keeps fp32 main copies of bf16 weights: refresh them from the model.
     actor.optimizer.reload_model_params()
+
+
+def load_hf_model_weights(actor, hf_dir: str | os.PathLike) -> None:
+    """Load only the model weights straight from an HF safetensors folder (converted on load)."""
+    from dapo_megatron.ckpt.loading import load_hf_weights
+    from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape
+
+    shape = Qwen2Shape.from_model_config(actor.model_config)
+    load_hf_weights(actor.gpt, hf_dir, shape, actor.runtime.tp_rank, actor.parallel.tp_size)
+    actor.optimizer.reload_model_params()

@@ -272,12 +272,15 @@ class MegatronActor:
         self.ddp.train()
         return result[0].cpu(), result[1].cpu()
 
-    def train(self, batch: PolicyBatch, num_mini_batches: int = 1) -> list[dict[str, float]]:
+    def train(self, batch: PolicyBatch, num_mini_batches: int = 1, temperature: float = 1.0) -> list[dict[str, float]]:
         """One rollout step: ``num_mini_batches`` DAPO updates on this rank's share of the batch.
 
         ``batch`` holds this data-parallel rank's rows (see ``shard_for_data_parallel``)
         with ``advantages`` and ``old_log_probs``; it is split into ``num_mini_batches``
-        consecutive parts, one optimizer update each. Returns each update's metrics (equal
+        consecutive parts, one optimizer update each. ``temperature`` is the sampling
+        temperature the old log-probs were computed at (``log_softmax(logits / T)``); the
+        new policy's log-probs use the same one, so the first update's ratio is exactly 1
+        on-policy. Returns each update's metrics (equal
         on every rank): ``loss`` (the global token mean), ``entropy``, ``mean_prob`` of the
         generated tokens, ``pg_clipfrac_low/high/dual``, ``approx_kl``, ``ratio_mean``,
         ``ratio_max``, ``grad_norm``, ``lr``, ``tokens`` and ``num_micro_batches``.
@@ -299,10 +302,12 @@ class MegatronActor:
         for mini, (num_tokens, num_seqs) in zip(minis, counts.tolist()):
             if num_tokens <= 0:
                 raise ValueError("a mini-batch has no loss tokens on any data-parallel rank")
-            metrics.append(self._update(mini, num_tokens, num_seqs))
+            metrics.append(self._update(mini, num_tokens, num_seqs, temperature))
         return metrics
 
-    def _update(self, mini: PolicyBatch, global_num_tokens: float, global_num_seqs: float) -> dict[str, float]:
+    def _update(
+        self, mini: PolicyBatch, global_num_tokens: float, global_num_seqs: float, temperature: float
+    ) -> dict[str, float]:
         algo = self.algorithm
         micro = self._micro_batches(mini)
 
@@ -311,7 +316,7 @@ class MegatronActor:
             hidden = model(mb.tokens, mb.position_ids, None)
 
             def loss_func(output):
-                log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature=1.0)
+                log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature)
                 loss, m = dapo_policy_loss(
                     log_probs,
                     mb.old_log_probs,

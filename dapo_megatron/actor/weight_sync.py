@@ -35,19 +35,13 @@ from dapo_megatron.ckpt.qwen2_mapping import (
     LAYER_PARAMS,
     OUTPUT_LAYER,
     Qwen2Shape,
+    canonical_layer_param,
     megatron_layer_key,
     to_hf,
 )
 from dapo_megatron.rollout.engine import RolloutEngine, SyncStats, WeightBucket, WeightSyncError
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
-
-# Megatron's local layer spec names the two norms after their modules; the Transformer
-# Engine spec (and the checkpoint) after the linear they are fused into.
-_LOCAL_NAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-}
 
 
 def _gather_to_leader(param: torch.Tensor, name: str, tp_group, leader: bool) -> Optional[torch.Tensor]:
@@ -96,7 +90,7 @@ def iter_hf_tensors(actor) -> Iterator[tuple[str, torch.Tensor]]:
         global_index = layer.layer_number - 1
         prefix = f"decoder.layers.{local_index}."
         for name in sorted(n[len(prefix) :] for n in params if n.startswith(prefix)):
-            canonical = _LOCAL_NAMES.get(name, name)
+            canonical = canonical_layer_param(name)
             if canonical not in LAYER_PARAMS:
                 raise WeightSyncError(f"no HF mapping for actor parameter {prefix}{name}")
             yield from convert(megatron_layer_key(canonical), prefix + name, global_index)

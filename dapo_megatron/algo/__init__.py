@@ -4,7 +4,7 @@ The actor, the trainer and the benchmarks call these functions; distributed conc
 (global token counts) come in as plain numbers.
 """
 
-from dapo_megatron.algo.advantages import group_advantages
+from dapo_megatron.algo.advantages import group_advantages, group_advantages_by_id
 from dapo_megatron.algo.dynamic_sampling import DynamicSamplingAccumulator, DynamicSamplingExhausted
 from dapo_megatron.algo.loss import LOSS_AGG_MODES, dapo_policy_loss
 from dapo_megatron.algo.overlong import overlong_filter_mask, overlong_penalty
@@ -18,6 +18,7 @@ __all__ = [
     "RewardScorer",
     "dapo_policy_loss",
     "group_advantages",
+    "group_advantages_by_id",
     "overlong_filter_mask",
     "overlong_penalty",
     "register_reward",

@@ -40,3 +40,28 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     mean = grouped.mean(dim=-1, keepdim=True)
     std = grouped.std(dim=-1, keepdim=True)
     return ((grouped - mean) / (std + eps)).reshape(-1)
+
+
+def group_advantages_by_id(rewards: torch.Tensor, group_ids: list, eps: float = 1e-6) -> torch.Tensor:
+    """Per-response advantages with groups formed by identity, in any order.
+
+    ``group_ids[i]`` names the group (the prompt) of response ``i``; responses of a group
+    need not be consecutive and the result does not depend on the order of the batch.
+    Each group's advantages are :func:`group_advantages` of its rewards.
+    """
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or rewards.numel() != len(group_ids):
+        raise ValueError(
+            f"rewards must be a 1-D tensor with one entry per group id; got shape "
+            f"{tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else None} and {len(group_ids)} ids"
+        )
+    members: dict = {}
+    for index, group in enumerate(group_ids):
+        members.setdefault(group, []).append(index)
+    sizes = {len(rows) for rows in members.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"groups have different sizes {sorted(sizes)}; every prompt needs the same number of responses")
+    (size,) = sizes
+    order = torch.tensor([i for rows in members.values() for i in rows])  # groups made consecutive
+    advantages = torch.empty_like(rewards)
+    advantages[order] = group_advantages(rewards[order], size, eps)
+    return advantages

@@ -32,3 +32,65 @@ def load_megatron_weights(gpt, path: str | os.PathLike) -> None:
     missing = [key for key in missing if not key.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {path} did not fill the model: missing {missing}, unexpected {unexpected}")
+
+
+def load_hf_weights(gpt, hf_dir: str | os.PathLike, shape, tp_rank: int, tp_size: int) -> None:
+    """Load ``gpt``'s parameters (this rank's shards) straight from an HF safetensors folder.
+
+    Converted on load, tensor by tensor, through the converter's mapping: no Megatron copy
+    of the checkpoint is written. Each full Megatron tensor is built from its HF tensors
+    and this tensor-parallel rank's slice is copied into the parameter (``linear_fc1`` as
+    ``[gate_r; up_r]``, vocabulary rows zero-padded to the layout's padded size).
+    """
+    import torch
+
+    from dapo_megatron.ckpt.convert import HFCheckpoint
+    from dapo_megatron.ckpt.qwen2_mapping import (
+        EMBEDDING,
+        FINAL_NORM,
+        OUTPUT_LAYER,
+        VOCAB_KEYS,
+        canonical_layer_param,
+        hf_names_of,
+        megatron_layer_key,
+        to_megatron,
+    )
+
+    checkpoint = HFCheckpoint(hf_dir)
+    checkpoint.check_against(shape)
+    layer_numbers = {f"decoder.layers.{i}.": layer.layer_number - 1 for i, layer in enumerate(gpt.decoder.layers)}
+    with torch.no_grad():
+        for name, param in gpt.named_parameters():
+            if name.startswith("decoder.layers."):
+                prefix = name[: name.index(".", len("decoder.layers.")) + 1]
+                key, layer = megatron_layer_key(canonical_layer_param(name[len(prefix) :])), layer_numbers[prefix]
+            else:
+                key = {
+                    "embedding.word_embeddings.weight": EMBEDDING,
+                    "decoder.final_layernorm.weight": FINAL_NORM,
+                    "output_layer.weight": OUTPUT_LAYER,
+                }[name]
+                layer = None
+            full = to_megatron(key, [checkpoint.read(n) for n in hf_names_of(key, layer)], shape)
+            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+                dim = param.partition_dim
+                if key in VOCAB_KEYS:
+                    padded = full.new_zeros((param.shape[0] * tp_size, *full.shape[1:]))
+                    padded[: full.shape[0]] = full
+                    full = padded
+                if key.endswith("linear_fc1.weight"):
+                    gate, up = (torch.chunk(half, tp_size, dim=0)[tp_rank] for half in torch.chunk(full, 2, dim=0))
+                    local = torch.cat([gate, up], dim=0)
+                else:
+                    local = torch.chunk(full, tp_size, dim=dim)[tp_rank]
+            elif key in VOCAB_KEYS:
+                local = full.new_zeros(param.shape)
+                local[: full.shape[0]] = full
+            else:
+                local = full
+            if tuple(local.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{hf_dir}: {key} (layer {layer}) gives a shard of shape {tuple(local.shape)} for parameter "
+                    f"{name} of shape {tuple(param.shape)}"
+                )
+            param.copy_(local)

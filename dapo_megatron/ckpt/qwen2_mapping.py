@@ -77,6 +77,19 @@ class Qwen2Shape:
         return cls(**{name: get(name) for name in cls.__dataclass_fields__})
 
 
+# Megatron's local layer spec names the two norms after their modules; the Transformer
+# Engine spec (and the checkpoint) after the linear they are fused into.
+LOCAL_SPEC_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def canonical_layer_param(name: str) -> str:
+    """The checkpoint name of a layer parameter, under either layer spec."""
+    return LOCAL_SPEC_NAMES.get(name, name)
+
+
 def megatron_layer_key(name: str) -> str:
     """The stacked checkpoint key of a layer parameter (``decoder.layers.<name>``)."""
     return f"decoder.layers.{name}"

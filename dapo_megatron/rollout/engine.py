@@ -117,13 +117,59 @@ class RolloutEngine(abc.ABC):
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Generation]:
         """``n`` responses for each prompt, prompt by prompt (``n * len(prompts)`` results)."""
 
-    @abc.abstractmethod
     def update_weights(self, buckets: Iterable[WeightBucket]) -> SyncStats:
         """Replace the model's weights with the streamed tensors, all or nothing.
 
         Raises :class:`WeightSyncError` (and keeps the previous weights) when the stream
         fails, names an unknown tensor, has a wrong shape or dtype, or leaves tensors out.
+        The same session as :meth:`begin_weight_update` / :meth:`load_weight_bucket` /
+        :meth:`end_weight_update`, driven from one iterable.
         """
+        self.begin_weight_update()
+        received = 0
+
+        def counted() -> Iterator[WeightBucket]:
+            nonlocal received
+            for bucket in buckets:
+                received += len(bucket.tensors)
+                yield bucket
+
+        try:
+            for bucket, last in with_last_flag(counted()):
+                self.load_weight_bucket(bucket, last)
+        except WeightSyncError:
+            self.abort_weight_update()
+            raise
+        except BaseException as exc:
+            self.abort_weight_update()
+            if not isinstance(exc, Exception):
+                raise
+            raise WeightSyncError(
+                f"weight stream failed after {received} tensors ({type(exc).__name__}: {exc}); "
+                "the engine keeps its previous weights"
+            ) from exc
+        return self.end_weight_update()
+
+    # A weight update is a session, so that buckets can arrive one call at a time from
+    # another process (the orchestration hands each bucket over by handle).
+
+    @abc.abstractmethod
+    def begin_weight_update(self) -> None:
+        """Open a weight update: buckets follow, then :meth:`end_weight_update`."""
+
+    @abc.abstractmethod
+    def load_weight_bucket(self, bucket: WeightBucket, last: bool) -> None:
+        """Take one bucket of the open update; the engine copies what it keeps before
+        returning (the bucket's memory is reused by the sender afterwards)."""
+
+    @abc.abstractmethod
+    def end_weight_update(self) -> SyncStats:
+        """Close the update: check that every tensor arrived and start serving them."""
+
+    @abc.abstractmethod
+    def abort_weight_update(self) -> None:
+        """Drop an open update after a failure (the previous weights keep serving where
+        the engine can keep them)."""
 
     @abc.abstractmethod
     def release_memory(self) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -73,6 +72,7 @@ class HFRolloutEngine(RolloutEngine):
         self._expected = hf_shapes(shape)
         self._params = dict(model.named_parameters())
         self._spare: dict[str, torch.Tensor] = {}
+        self._session: Optional[dict] = None
         unknown = sorted(set(self._expected) - set(self._params))
         if unknown:
             raise ValueError(f"the HF model has no parameters {unknown[:5]} that a Qwen2 of this shape needs")
@@ -157,27 +157,35 @@ class HFRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self, buckets: Iterable[WeightBucket]) -> SyncStats:
-        start = time.perf_counter()
-        staged: dict[str, torch.Tensor] = {}
-        num_bytes = num_buckets = 0
+    def begin_weight_update(self) -> None:
+        self._session = {"start": time.perf_counter(), "staged": {}, "bytes": 0, "buckets": 0}
+
+    def load_weight_bucket(self, bucket: WeightBucket, last: bool) -> None:
+        session = self._open_session()
+        staged = session["staged"]
         try:
-            for bucket in buckets:
-                num_buckets += 1
-                for name, tensor in bucket.tensors:
-                    self._check(name, tensor, staged)
-                    spare = self._spare.get(name)
-                    if spare is None:
-                        spare = self._spare[name] = torch.empty_like(self._params[name].data)
-                    staged[name] = spare.copy_(tensor)
-                    num_bytes += tensor.nbytes
+            for name, tensor in bucket.tensors:
+                self._check(name, tensor, staged)
+                spare = self._spare.get(name)
+                if spare is None:
+                    spare = self._spare[name] = torch.empty_like(self._params[name].data)
+                staged[name] = spare.copy_(tensor)
+                session["bytes"] += tensor.nbytes
         except WeightSyncError:
+            self._session = None
             raise
         except Exception as exc:
+            self._session = None
             raise WeightSyncError(
                 f"weight stream failed after {len(staged)} tensors ({type(exc).__name__}: {exc}); "
                 "the engine keeps its previous weights"
             ) from exc
+        session["buckets"] += 1
+
+    def end_weight_update(self) -> SyncStats:
+        session = self._open_session()
+        self._session = None
+        staged = session["staged"]
         missing = sorted(set(self._expected) - set(staged))
         if missing:
             raise WeightSyncError(
@@ -190,8 +198,21 @@ class HFRolloutEngine(RolloutEngine):
                 self._spare[name] = self._params[name].data
                 self._params[name].data = tensor
         self.weight_version += 1
-        self.last_sync = SyncStats(time.perf_counter() - start, num_bytes, len(staged), num_buckets)
+        self.last_sync = SyncStats(
+            time.perf_counter() - session["start"], session["bytes"], len(staged), session["buckets"]
+        )
         return self.last_sync
+
+    def abort_weight_update(self) -> None:
+        self._session = None
+
+    def _open_session(self) -> dict:
+        if self._session is None:
+            raise WeightSyncError(
+                "a weight bucket arrived outside an update session (begin_weight_update() first); "
+                "the engine keeps its previous weights"
+            )
+        return self._session
 
     def _check(self, name: str, tensor: torch.Tensor, staged: dict) -> None:
         if name not in self._expected:

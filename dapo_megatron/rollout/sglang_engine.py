@@ -106,6 +106,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.consistent = True
         self.weight_version = 0
         self.last_sync: Optional[SyncStats] = None
+        self._session = {"start": 0.0, "bytes": 0, "tensors": 0, "buckets": 0}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Generation]:
         if not prompts or n < 1:
@@ -130,26 +131,41 @@ class SGLangRolloutEngine(RolloutEngine):
         return results
 
     def update_weights(self, buckets: Iterable[WeightBucket]) -> SyncStats:
-        start = time.perf_counter()
-        num_bytes = num_tensors = num_buckets = 0
-        self.consistent = False
+        self.begin_weight_update()
         try:
             for bucket, last in with_last_flag(buckets):
-                self._engine.update_weights_from_tensor(
-                    named_tensors=bucket.tensors, load_format=None, flush_cache=last
-                )
-                num_buckets += 1
-                num_tensors += len(bucket.tensors)
-                num_bytes += bucket.num_bytes
+                self.load_weight_bucket(bucket, last)
         except Exception as exc:
+            self.abort_weight_update()
             raise WeightSyncError(
-                f"SGLang weight update failed after {num_tensors} tensors ({type(exc).__name__}: {exc}); the engine's "
-                "weights are now mixed and it reports unhealthy until a complete update succeeds"
+                f"SGLang weight update failed after {self._session['tensors']} tensors ({type(exc).__name__}: "
+                f"{exc}); the engine's weights are now mixed and it reports unhealthy until a complete update "
+                "succeeds"
             ) from exc
+        return self.end_weight_update()
+
+    def begin_weight_update(self) -> None:
+        self.consistent = False
+        self._session = {"start": time.perf_counter(), "bytes": 0, "tensors": 0, "buckets": 0}
+
+    def load_weight_bucket(self, bucket: WeightBucket, last: bool) -> None:
+        self._engine.update_weights_from_tensor(named_tensors=bucket.tensors, load_format=None, flush_cache=last)
+        self._session["buckets"] += 1
+        self._session["tensors"] += len(bucket.tensors)
+        self._session["bytes"] += bucket.num_bytes
+
+    def end_weight_update(self) -> SyncStats:
+        session = self._session
         self.consistent = True
         self.weight_version += 1
-        self.last_sync = SyncStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)
+        self.last_sync = SyncStats(
+            time.perf_counter() - session["start"], session["bytes"], session["tensors"], session["buckets"]
+        )
         return self.last_sync
+
+    def abort_weight_update(self) -> None:
+        # SGLang applied what arrived: the weights stay mixed (consistent stays False).
+        pass
 
     def join_weight_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str

@@ -1,0 +1,162 @@
+"""From generated responses to the actor's batch: pure data plumbing for the trainer.
+
+The trainer keeps every response together with the prompt it answers (its id, answer and
+data source), its reward and its engine log-probs, as a :class:`Sample`. This module turns
+a round of generations into samples, scores them with the soft overlong punishment, and
+assembles the kept groups into a :class:`PolicyBatch` with advantages computed *by prompt
+identity*, never by position. No Ray, no ranks: it is tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dapo_megatron.actor.batch import PolicyBatch
+from dapo_megatron.algo import group_advantages_by_id, overlong_filter_mask, overlong_penalty
+from dapo_megatron.algo.rewards import RewardResult
+from dapo_megatron.config import AlgorithmConfig
+from dapo_megatron.data import Prompt
+from dapo_megatron.rollout.engine import Generation
+
+
+@dataclass
+class Sample:
+    """One response and everything the step needs to know about it."""
+
+    group_id: tuple[int, int]
+    """``(round, position of the prompt in the round)``: the identity of its group."""
+    prompt: Prompt
+    """The prompt it answers."""
+    response_ids: list[int]
+    """The response's tokens."""
+    engine_log_probs: list[float]
+    """The engine's sampling log-prob of each response token."""
+    finish_reason: str
+    """``stop`` or ``length`` (truncated)."""
+    text: str
+    """The decoded response."""
+    correct: bool = False
+    """Whether the reward function found the right answer."""
+    score: float = 0.0
+    """The reward function's score."""
+    overlong_penalty: float = 0.0
+    """The soft overlong punishment added to the score."""
+    timed_out: bool = False
+    """The reward call exceeded its time bound."""
+    reward_error: bool = False
+    """The reward function raised."""
+
+    @property
+    def reward(self) -> float:
+        """The reward the advantage uses: score plus the overlong punishment."""
+        return self.score + self.overlong_penalty
+
+
+def samples_from_generations(
+    prompts: list[Prompt], generations: list[Generation], round_index: int, tokenizer
+) -> list[Sample]:
+    """One sample per generation, in the engines' order (``n`` per prompt)."""
+    samples = []
+    for generation in generations:
+        text = generation.text
+        if text is None:
+            text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+        samples.append(
+            Sample(
+                group_id=(round_index, generation.prompt_index),
+                prompt=prompts[generation.prompt_index],
+                response_ids=list(generation.token_ids),
+                engine_log_probs=list(generation.log_probs),
+                finish_reason=generation.finish_reason,
+                text=text,
+            )
+        )
+    return samples
+
+
+def apply_rewards(
+    samples: list[Sample], results: list[RewardResult], algorithm: AlgorithmConfig, max_response_length: int
+) -> None:
+    """Store each sample's reward, with the soft overlong punishment when it is enabled."""
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+    penalties = torch.zeros(len(samples))
+    if algorithm.overlong_buffer_enable and samples:
+        penalties = overlong_penalty(
+            lengths, max_response_length, algorithm.overlong_buffer_len, algorithm.overlong_penalty_factor
+        )
+    for sample, result, penalty in zip(samples, results, penalties.tolist()):
+        sample.correct, sample.score = result.correct, result.score
+        sample.timed_out, sample.reward_error = result.timed_out, result.error is not None
+        sample.overlong_penalty = penalty
+
+
+def build_policy_batch(samples: list[Sample], algorithm: AlgorithmConfig) -> PolicyBatch:
+    """The actor's batch: prompt + response tokens, advantages by group id, loss mask.
+
+    Rows keep the samples' order (groups consecutive, so a mini-batch holds whole
+    groups); the advantages do not depend on it.
+    """
+    prompt_lengths = torch.tensor([len(s.prompt.token_ids) for s in samples])
+    response_lengths = torch.tensor([len(s.response_ids) for s in samples])
+    width = int((prompt_lengths + response_lengths).max())
+    tokens = torch.zeros(len(samples), width, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        ids = list(sample.prompt.token_ids) + sample.response_ids
+        tokens[row, : len(ids)] = torch.tensor(ids)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    advantages = group_advantages_by_id(rewards, [s.group_id for s in samples], algorithm.advantage_eps)
+    batch = PolicyBatch(tokens, prompt_lengths, response_lengths, advantages=advantages.float())
+    if algorithm.overlong_filter:
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        batch.loss_mask = overlong_filter_mask(batch.response_mask(), truncated)
+    return batch
+
+
+def engine_log_prob_grid(samples: list[Sample], batch: PolicyBatch) -> torch.Tensor:
+    """``[batch, seq]`` engine log-probs on the label grid (zero elsewhere)."""
+    grid = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        start = len(sample.prompt.token_ids)
+        grid[row, start : start + len(sample.engine_log_probs)] = torch.tensor(sample.engine_log_probs)
+    return grid
+
+
+def response_metrics(samples: list[Sample], max_response_length: int, prefix: str = "") -> dict[str, float]:
+    """Reward, accuracy and response-length statistics of ``samples``."""
+    n = max(len(samples), 1)
+    lengths = [len(s.response_ids) for s in samples] or [0]
+    return {
+        f"{prefix}reward/score_mean": sum(s.reward for s in samples) / n,
+        f"{prefix}reward/accuracy": sum(s.correct for s in samples) / n,
+        f"{prefix}reward/overlong_penalty_mean": sum(s.overlong_penalty for s in samples) / n,
+        f"{prefix}reward/timeouts": float(sum(s.timed_out for s in samples)),
+        f"{prefix}reward/errors": float(sum(s.reward_error for s in samples)),
+        f"{prefix}response/length_mean": sum(lengths) / len(lengths),
+        f"{prefix}response/length_max": float(max(lengths)),
+        f"{prefix}response/length_min": float(min(lengths)),
+        f"{prefix}response/clip_ratio": sum(s.finish_reason == "length" for s in samples) / n,
+    }
+
+
+def validation_metrics(samples: list[Sample], num_samples: int) -> dict[str, float]:
+    """avg@k (mean accuracy over all k samples of every problem) and pass@k (a problem
+    solved by at least one of its k samples), overall and per data source."""
+    by_source: dict[Optional[str], dict[int, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    for sample in samples:
+        for source in (None, sample.prompt.data_source):
+            by_source[source][sample.prompt.prompt_id].append(sample.correct)
+    metrics: dict[str, float] = {}
+    for source, problems in by_source.items():
+        name = "val" if source is None else f"val/{source}"
+        attempts = [c for outcomes in problems.values() for c in outcomes]
+        metrics[f"{name}/accuracy"] = sum(attempts) / max(len(attempts), 1)
+        metrics[f"{name}/pass_at_k"] = sum(any(o) for o in problems.values()) / max(len(problems), 1)
+        metrics[f"{name}/num_problems"] = float(len(problems))
+    metrics["val/k"] = float(num_samples)
+    lengths = [len(s.response_ids) for s in samples] or [0]
+    metrics["val/response_length_mean"] = sum(lengths) / len(lengths)
+    return metrics

@@ -1,0 +1,273 @@
+"""The Megatron actor as a group of Ray actors: one per rank, held by a placement group.
+
+The driver never sees a rank. :class:`ActorGroup` reserves one bundle per rank (a GPU and
+a CPU on GPU runs, a CPU on the CPU runtime), starts a :class:`ActorRank` in each, tells
+every rank its rank, world size and rendezvous address (rank 0's node and a free port),
+and each rank then brings up the existing runtime (NCCL on GPU, gloo on the CPU runtime)
+and builds its :class:`MegatronActor`. Every public method calls the whole group and
+returns one result: the log-probs reassembled from the data-parallel shards, the
+metrics of rank 0 (equal on every rank), the sync's statistics.
+
+Weight sync runs on the ranks: the first stage's leader (global rank 0) receives the
+other stages' buckets as :func:`sync_weights` already does and hands each bucket to every
+engine *by handle* (:mod:`handles`): packed once into a reusable shareable buffer (CUDA
+IPC on GPU, shared memory on the CPU), the handle sent to all engines at once, the next
+bucket packed while they copy. Tensors never travel through Ray's object store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict
+from typing import Any, Optional
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dapo_megatron.actor.batch import PolicyBatch
+from dapo_megatron.config import Config
+from dapo_megatron.rollout.engine import SyncStats, WeightSyncError, with_last_flag
+
+logger = logging.getLogger(__name__)
+
+
+class _EngineFanout:
+    """Looks like one engine to :func:`sync_weights`; feeds every engine by handle, in parallel."""
+
+    def __init__(self, engines: list, device: torch.device, buffers: list) -> None:
+        self.engines = engines
+        self.device = device
+        self.buffers = buffers  # two SharedBucketBuffers, kept by the rank across syncs
+
+    def update_weights(self, buckets) -> SyncStats:
+        start = time.perf_counter()
+        ray.get([engine.begin_weight_update.remote() for engine in self.engines])
+        pending: list = []
+        num_bytes = num_tensors = num_buckets = 0
+        try:
+            for index, (bucket, last) in enumerate(with_last_flag(buckets)):
+                # Pack this bucket into the buffer the engines finished with two buckets
+                # ago, while they may still be copying the previous one out of the other.
+                handle = self.buffers[index % 2].pack(bucket)
+                ray.get(pending)
+                pending = [engine.load_weight_bucket_handle.remote(handle, last) for engine in self.engines]
+                num_bytes += bucket.num_bytes
+                num_tensors += len(bucket.tensors)
+                num_buckets += 1
+            ray.get(pending)
+            ray.get([engine.end_weight_update.remote() for engine in self.engines])
+        except Exception as exc:
+            ray.get([engine.abort_weight_update.remote() for engine in self.engines])
+            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause else exc
+            raise WeightSyncError(f"weight sync into the rollout engines failed: {cause}") from exc
+        return SyncStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)
+
+
+@ray.remote
+class ActorRank:
+    """One rank of the Megatron actor, in its own process (see the module docstring)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.actor = None
+        self.info = None
+        self._buffers: list = []
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a free port on it (asked of rank 0)."""
+        from dapo_megatron.runtime.distributed import find_free_port
+
+        return ray.util.get_node_ip_address(), find_free_port()
+
+    def setup(self, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
+        """Bring up the runtime and build the actor; returns this rank's RuntimeInfo as a dict."""
+        from dapo_megatron.actor.megatron_actor import MegatronActor
+        from dapo_megatron.orchestration.handles import use_shareable_cpu_tensors
+        from dapo_megatron.runtime.distributed import initialize_runtime
+
+        cfg = self.config
+        threads = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
+        torch.set_num_threads(threads)
+        # With Ray's GPU isolation every rank sees its one GPU as device 0.
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK="0" if torch.cuda.is_available() and cfg.parallel.device != "cpu" else str(rank),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        use_shareable_cpu_tensors()
+        self.info = initialize_runtime(cfg.parallel, cfg.trainer.seed)
+        self.actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, self.info)
+        info = asdict(self.info)
+        info["device"] = str(info["device"])
+        return info
+
+    def load_weights(self, source: str, path: str) -> None:
+        """Initial weights: ``source`` is ``megatron`` (a dist checkpoint) or ``hf`` (safetensors)."""
+        from dapo_megatron.actor.checkpoint import load_hf_model_weights, load_model_weights
+
+        if source == "megatron":
+            load_model_weights(self.actor, path)
+        elif source == "hf":
+            load_hf_model_weights(self.actor, path)
+        else:
+            raise ValueError(f"unknown weight source {source!r}")
+
+    def compute_log_probs(self, batch: PolicyBatch, temperature: float):
+        """This data-parallel rank's rows and their log-probs and entropies (reported by one
+        rank per data-parallel replica; None from the others)."""
+        from dapo_megatron.actor.batch import data_parallel_rows
+
+        dp_size = self.actor.dp_group.size()
+        rows = data_parallel_rows(batch, self.info.dp_rank, dp_size)
+        log_probs, entropy = self.actor.compute_log_probs(batch.select(rows).trimmed(), temperature)
+        if self.info.tp_rank == 0 and self.info.pp_rank == 0:
+            return rows, log_probs, entropy
+        return None
+
+    def train(self, batch: PolicyBatch, num_mini_batches: int, temperature: float) -> list[dict]:
+        """DAPO updates on this rank's share of ``batch``; metrics are equal on every rank."""
+        from dapo_megatron.actor.batch import shard_for_data_parallel
+
+        dp_size = self.actor.dp_group.size()
+        shard = shard_for_data_parallel(batch, self.info.dp_rank, dp_size, num_mini_batches)
+        return self.actor.train(shard, num_mini_batches, temperature)
+
+    def save(self, save_dir: str, keep_last: int) -> str:
+        """A dist checkpoint of model, optimizer, scheduler, RNG and step."""
+        from dapo_megatron.actor.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(self.actor, save_dir, keep_last))
+
+    def sync_weights(self, engines: list, bucket_bytes: int) -> Optional[dict]:
+        """Collective: stream the weights into ``engines`` (fed by global rank 0)."""
+        from dapo_megatron.actor.weight_sync import sync_weights
+        from dapo_megatron.orchestration.handles import SharedBucketBuffer
+
+        fanout = None
+        if self.info.rank == 0:
+            if not self._buffers:
+                self._buffers = [SharedBucketBuffer(self.actor.device) for _ in range(2)]
+            fanout = _EngineFanout(engines, self.actor.device, self._buffers)
+        stats = sync_weights(self.actor, fanout, bucket_bytes)
+        return asdict(stats) if stats is not None else None
+
+    def export_hf_weights(self) -> Optional[dict]:
+        """The full model in HF names, by value, on rank 0 (tests of small models only)."""
+        from dapo_megatron.actor.weight_sync import iter_weight_buckets
+
+        if self.actor.parallel.pp_size != 1:
+            raise NotImplementedError("export_hf_weights is for pp_size=1 test models")
+        tensors = {}
+        for bucket in iter_weight_buckets(self.actor):
+            tensors.update({name: t.clone() for name, t in bucket.tensors})
+        return tensors if self.info.rank == 0 else None
+
+    def shutdown(self) -> None:
+        """Free the shared buffers and tear the runtime down."""
+        from dapo_megatron.runtime.distributed import shutdown_runtime
+
+        for buffer in self._buffers:
+            buffer.close()
+        self._buffers = []
+        if self.info is not None:
+            shutdown_runtime()
+            self.info = None
+
+
+class ActorGroup:
+    """All ranks of the actor, called as one (see the module docstring)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        on_gpu = parallel.device == "cuda" or (parallel.device == "auto" and torch.cuda.is_available())
+        bundle = {"CPU": 1, "GPU": 1} if on_gpu else {"CPU": 1}
+        self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        ray.get(self.placement_group.ready())
+        env = {"OMP_NUM_THREADS": "1"} if not on_gpu else {}
+        self.ranks = [
+            ActorRank.options(
+                num_cpus=1,
+                num_gpus=1 if on_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement_group, placement_group_bundle_index=rank
+                ),
+                runtime_env={"env_vars": env},
+            ).remote(config)
+            for rank in range(self.world_size)
+        ]
+        master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
+        self.infos = self._all(
+            [r.setup.remote(rank, self.world_size, master_addr, master_port) for rank, r in enumerate(self.ranks)]
+        )
+        logger.info(
+            "actor up: %d ranks (tp %d, pp %d, dp %d)",
+            self.world_size,
+            parallel.tp_size,
+            parallel.pp_size,
+            self.world_size // (parallel.tp_size * parallel.pp_size * parallel.cp_size),
+        )
+
+    @staticmethod
+    def _all(refs: list) -> list:
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as exc:
+            raise RuntimeError(f"an actor rank failed: {exc.cause if exc.cause else exc}") from exc
+
+    def load_weights(self, source: str, path: str) -> None:
+        """Initial weights on every rank (``megatron`` checkpoint or ``hf`` folder)."""
+        self._all([r.load_weights.remote(source, path) for r in self.ranks])
+
+    def compute_log_probs(self, batch: PolicyBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, seq]`` log-probs and entropies of the loss tokens, reassembled."""
+        ref = ray.put(batch)
+        parts = self._all([r.compute_log_probs.remote(ref, temperature) for r in self.ranks])
+        log_probs = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        entropy = torch.zeros_like(log_probs)
+        for part in parts:
+            if part is None:
+                continue
+            rows, lp, ent = part
+            width = lp.shape[1]
+            log_probs[rows, :width] = lp
+            entropy[rows, :width] = ent
+        return log_probs, entropy
+
+    def train(self, batch: PolicyBatch, num_mini_batches: int, temperature: float) -> list[dict[str, float]]:
+        """One rollout step of DAPO updates; each update's metrics."""
+        ref = ray.put(batch)
+        return self._all([r.train.remote(ref, num_mini_batches, temperature) for r in self.ranks])[0]
+
+    def save(self, save_dir: str, keep_last: int) -> str:
+        """Checkpoint folder written."""
+        return self._all([r.save.remote(save_dir, keep_last) for r in self.ranks])[0]
+
+    def sync_weights(self, engines: list, bucket_bytes: int) -> SyncStats:
+        """Push the current weights into every engine (Ray actor handles)."""
+        results = self._all([r.sync_weights.remote(engines, bucket_bytes) for r in self.ranks])
+        return SyncStats(**results[0])
+
+    def export_hf_weights(self) -> dict[str, torch.Tensor]:
+        """The full model in HF names (tests of small models)."""
+        return self._all([r.export_hf_weights.remote() for r in self.ranks])[0]
+
+    def shutdown(self) -> None:
+        """Tear the ranks down and free their placement group."""
+        try:
+            ray.get([r.shutdown.remote() for r in self.ranks], timeout=60)
+        except Exception as exc:  # a dead rank must not stop the others' cleanup
+            logger.warning("actor shutdown: %s", exc)
+        for rank in self.ranks:
+            ray.kill(rank)
+        remove_placement_group(self.placement_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("ActorGroup lives on the driver; pass its methods' results, not the group")

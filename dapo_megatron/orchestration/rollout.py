@@ -1,0 +1,186 @@
+"""Rollout engines as Ray actors, and the one object the trainer generates through.
+
+:class:`RolloutWorkers` starts ``rollout.num_engines`` :class:`EngineWorker` actors (the
+transformers engine on the CPU, SGLang on a GPU), spreads each request's prompts over
+them in contiguous shares, and returns the responses in prompt order, so the trainer
+never knows how many engines there are. Each worker owns one :class:`RolloutEngine` and
+exposes its weight-update session to the actor's ranks, which hand buckets over by
+handle (:mod:`handles`); the worker maps the bucket and the engine copies it in.
+
+Engines start with placeholder weights: the trainer syncs the actor's weights into them
+before the first generation, so actor and engines always hold the same policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import ray
+import torch
+
+from dapo_megatron.config import Config
+from dapo_megatron.rollout.engine import Generation, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote
+class EngineWorker:
+    """One rollout engine in its own process."""
+
+    def __init__(self, config: Config, index: int, num_threads: int) -> None:
+        from dapo_megatron.orchestration.handles import BucketReceiver, use_shareable_cpu_tensors
+
+        use_shareable_cpu_tensors()
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.index = index
+        self.engine = _build_engine(config, index)
+        self.receiver = BucketReceiver()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Generation]:
+        return self.engine.generate(prompts, params, n)
+
+    def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
+
+    def load_weight_bucket_handle(self, handle, last: bool) -> None:
+        """Map the bucket a rank packed (no copy) and let the engine copy it in."""
+        self.engine.load_weight_bucket(self.receiver.open(handle), last)
+
+    def end_weight_update(self) -> dict:
+        stats = self.engine.end_weight_update()
+        return {"seconds": stats.seconds, "num_bytes": stats.num_bytes}
+
+    def abort_weight_update(self) -> None:
+        self.engine.abort_weight_update()
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
+    def health(self) -> dict:
+        return {**self.engine.health(), "index": self.index, "pid": os.getpid()}
+
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """The served weights by HF name, by value (tests of small models only)."""
+        return {name: tensor.clone() for name, tensor in self.engine.state_dict().items()}
+
+    def shutdown(self) -> None:
+        self.receiver.close()
+        self.engine.shutdown()
+
+
+def _build_engine(config: Config, index: int):
+    rollout = config.rollout
+    kind = rollout.engine
+    if kind == "auto":
+        kind = "sglang" if torch.cuda.is_available() and config.parallel.device != "cpu" else "hf"
+    if kind == "hf":
+        from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+
+        device = "cuda" if torch.cuda.is_available() and config.parallel.device == "cuda" else "cpu"
+        return HFRolloutEngine.from_model_config(config.model, device=device)
+    from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
+
+    if config.model.hf_config is None:
+        raise ValueError("the SGLang engine needs model.hf_config (an HF folder to start from)")
+    return SGLangRolloutEngine(
+        os.path.dirname(config.model.hf_config) if config.model.hf_config.endswith(".json") else config.model.hf_config,
+        tp_size=rollout.engine_tp_size,
+        mem_fraction_static=rollout.gpu_memory_utilization,
+        seed=rollout.seed + index,
+        enable_memory_saver=rollout.colocate,
+    )
+
+
+class RolloutWorkers:
+    """All rollout engines, driven as one (see the module docstring)."""
+
+    def __init__(self, config: Config) -> None:
+        rollout = config.rollout
+        on_gpu = rollout.engine == "sglang" or (
+            rollout.engine == "auto" and torch.cuda.is_available() and config.parallel.device != "cpu"
+        )
+        threads = config.ray.engine_num_threads or (os.cpu_count() or 1)
+        options = {"num_cpus": 1, "num_gpus": (0.2 if rollout.colocate else rollout.engine_tp_size) if on_gpu else 0}
+        self.engines = [
+            EngineWorker.options(**options).remote(config, index, 0 if on_gpu else threads)
+            for index in range(rollout.num_engines)
+        ]
+        self._all([engine.health.remote() for engine in self.engines])
+        logger.info("rollout engines up: %d x %s", len(self.engines), rollout.engine)
+
+    @staticmethod
+    def _all(refs: list) -> list:
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as exc:
+            raise RuntimeError(f"a rollout engine failed: {exc.cause if exc.cause else exc}") from exc
+
+    @property
+    def handles(self) -> list:
+        """The engines' Ray handles (for the actor's weight sync)."""
+        return list(self.engines)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Generation]:
+        """``n`` responses per prompt, in prompt order; prompts spread over the engines.
+
+        Each engine gets a contiguous share and its own seed (``params.seed + index``).
+        """
+        shares = _split(len(prompts), len(self.engines))
+        refs, offsets = [], []
+        for index, (start, stop) in enumerate(shares):
+            if start == stop:
+                continue
+            seed = None if params.seed is None else params.seed + index
+            engine_params = SamplingParams(**{**params.__dict__, "seed": seed})
+            refs.append(self.engines[index].generate.remote(prompts[start:stop], engine_params, n))
+            offsets.append(start)
+        results: list[Generation] = []
+        for offset, generations in zip(offsets, self._all(refs)):
+            for generation in generations:
+                generation.prompt_index += offset
+                results.append(generation)
+        return results
+
+    def release_memory(self) -> None:
+        self._all([engine.release_memory.remote() for engine in self.engines])
+
+    def resume_memory(self) -> None:
+        self._all([engine.resume_memory.remote() for engine in self.engines])
+
+    def health(self) -> list[dict]:
+        return self._all([engine.health.remote() for engine in self.engines])
+
+    def served_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
+        """Engine ``index``'s served weights (tests of small models)."""
+        return self._all([self.engines[index].served_weights.remote()])[0]
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([engine.shutdown.remote() for engine in self.engines], timeout=60)
+        except Exception as exc:  # a dead engine must not stop the others' cleanup
+            logger.warning("engine shutdown: %s", exc)
+        for engine in self.engines:
+            ray.kill(engine)
+
+
+def _split(total: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering ``range(total)``, sizes differing by at most one."""
+    base, extra = divmod(total, parts)
+    ranges, start = [], 0
+    for index in range(parts):
+        stop = start + base + (1 if index < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def engine_seed(base: Optional[int], step: int, round_index: int) -> Optional[int]:
+    """A distinct, reproducible sampler seed for each step and generation round."""
+    return None if base is None else base + 1_000_003 * step + 1009 * round_index

@@ -1,0 +1,90 @@
+"""Where a run's metrics go: TensorBoard, ``metrics.jsonl``, and one console line a step.
+
+Every metric of a step is written to all three at once, under the same names, so a
+dashboard, a script reading the JSONL and a person watching the console see the same
+numbers. TensorBoard events live in ``<run>/tensorboard`` and the JSONL beside them as
+``<run>/metrics.jsonl`` (one object per line: ``{"step": k, "<name>": value, ...}``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional, TextIO
+
+from dapo_megatron.config import LoggingConfig
+
+# (metric, console label, format) of the console line, in order; missing ones are skipped.
+_CONSOLE = (
+    ("reward/score_mean", "reward", "{:+.3f}"),
+    ("reward/accuracy", "acc", "{:.3f}"),
+    ("response/length_mean", "len", "{:.1f}"),
+    ("dynamic_sampling/kept", "kept", "{:.0f}"),
+    ("dynamic_sampling/generated", "of", "{:.0f}"),
+    ("actor/entropy", "ent", "{:.3f}"),
+    ("actor/approx_kl", "kl", "{:.1e}"),
+    ("actor/grad_norm", "gnorm", "{:.3f}"),
+    ("time/step", "step_s", "{:.2f}"),
+)
+
+
+class MetricsLogger:
+    """Writes each step's metrics to TensorBoard, ``metrics.jsonl`` and the console."""
+
+    def __init__(self, run_dir: str | Path, config: LoggingConfig, num_steps: int, stream: TextIO = sys.stdout):
+        self.run_dir = Path(run_dir)
+        self.config = config
+        self.num_steps = num_steps
+        self.stream = stream
+        self.jsonl = (self.run_dir / "metrics.jsonl").open("a")
+        self.writer = None
+        if config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._start = time.perf_counter()
+
+    def log(self, step: int, metrics: dict[str, float], *, console: Optional[bool] = None) -> None:
+        """Write ``metrics`` of ``step`` everywhere (the console every ``log_every`` steps)."""
+        clean = {name: float(value) for name, value in sorted(metrics.items())}
+        self.jsonl.write(json.dumps({"step": step, **clean}, allow_nan=True) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for name, value in clean.items():
+                self.writer.add_scalar(name, value, step)
+            self.writer.flush()
+        show = console if console is not None else (step % max(1, self.config.log_every) == 0)
+        if show:
+            self.stream.write(self.format_line(step, clean) + "\n")
+            self.stream.flush()
+
+    def format_line(self, step: int, metrics: dict[str, float]) -> str:
+        """``step 12/150 [###.......]  reward +0.125  acc 0.562 ...`` (or the validation line)."""
+        width = 20
+        done = min(width, round(width * step / max(1, self.num_steps)))
+        head = f"step {step:>{len(str(self.num_steps))}}/{self.num_steps} [{'#' * done}{'.' * (width - done)}]"
+        parts = [head]
+        if any(name.startswith("val/") for name in metrics) and not any(
+            name.startswith("reward/") for name in metrics
+        ):
+            parts.append("validation")
+            for name in ("val/accuracy", "val/pass_at_k", "val/response_length_mean"):
+                if name in metrics:
+                    parts.append(f"{name.removeprefix('val/')} {metrics[name]:.3f}")
+        else:
+            for name, label, fmt in _CONSOLE:
+                value = metrics.get(name)
+                if value is not None and not math.isnan(value):
+                    parts.append(f"{label} {fmt.format(value)}")
+        elapsed = time.perf_counter() - self._start
+        parts.append(f"elapsed {elapsed:.0f}s")
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()

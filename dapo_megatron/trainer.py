@@ -1,0 +1,260 @@
+"""The DAPO trainer: one module that reads top to bottom as a step of DAPO does.
+
+A step (``../shared/DESIGN.md``): take prompts; generate ``n`` responses each on the
+rollout engines; score them (rule-based reward plus the soft overlong punishment);
+dynamic sampling keeps groups whose answers disagree and draws more rounds until
+``train_batch_size`` groups are kept; advantages by prompt identity; old log-probs from
+the actor; ``train_batch_size * n / mini_batch_size`` DAPO updates; weight sync into
+every engine; metrics; a checkpoint every ``checkpoint.save_every`` steps.
+
+Where work runs is hidden behind three objects: ``actor`` (the Megatron ranks),
+``engines`` (the rollout engines) and ``rewards`` (a process pool). The trainer times the
+calls and gathers metrics around them; it never touches a Ray handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dapo_megatron.algo import DynamicSamplingAccumulator
+from dapo_megatron.algo.metrics import rollout_consistency
+from dapo_megatron.algo.rewards.pool import RewardPool
+from dapo_megatron.config import Config, ConfigError
+from dapo_megatron.data import PromptDataset, PromptLoader, load_tokenizer
+from dapo_megatron.experience import (
+    Sample,
+    apply_rewards,
+    build_policy_batch,
+    engine_log_prob_grid,
+    response_metrics,
+    samples_from_generations,
+    validation_metrics,
+)
+from dapo_megatron.orchestration.actor_group import ActorGroup
+from dapo_megatron.orchestration.cluster import RayCluster
+from dapo_megatron.orchestration.rollout import RolloutWorkers, engine_seed
+from dapo_megatron.rollout.engine import SamplingParams
+from dapo_megatron.tracking import MetricsLogger
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports."""
+
+    run_dir: Path
+    """The run folder."""
+    steps: int
+    """Rollout steps completed."""
+    val_before: Optional[float]
+    """Validation accuracy (avg@k) of the initial policy, when validated."""
+    val_after: Optional[float]
+    """Validation accuracy after the last step, when validated."""
+    last_checkpoint: Optional[str]
+    """The last checkpoint written."""
+
+
+def train(config: Config) -> TrainResult:
+    """Run ``config.trainer.num_steps`` DAPO steps; see the module docstring."""
+    run_dir = Path(config.trainer.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config.to_yaml())
+    r, a, d = config.rollout, config.algorithm, config.data
+
+    tokenizer = load_tokenizer(d, config.model.hf_config)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"the tokenizer of data.tokenizer={d.tokenizer!r} has no EOS token to stop responses on")
+    train_data = PromptDataset(d.train_files, tokenizer, d, r.max_prompt_length)
+    val_data = PromptDataset(d.val_files, tokenizer, d, r.max_prompt_length) if d.val_files else None
+    loader = PromptLoader(train_data, seed=d.seed, shuffle=d.shuffle)
+    stop = (tokenizer.eos_token_id,)
+    sampling = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, stop)
+    val_sampling = SamplingParams(r.val_temperature, r.val_top_p, -1, r.max_response_length, stop, seed=r.seed)
+    num_updates = d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size
+    save_dir = config.checkpoint.save_dir or str(run_dir / "checkpoints")
+
+    with ExitStack() as stack:
+        cpus = max(os.cpu_count() or 1, config.parallel.world_size + r.num_engines + 1)
+        stack.enter_context(RayCluster(config.ray, run_dir, config.ray.num_cpus or cpus))
+        rewards = RewardPool(a.reward_fn, a.reward_timeout_s, num_workers=min(os.cpu_count() or 1, 8))
+        stack.callback(rewards.close)
+        metrics_log = MetricsLogger(run_dir, config.logging, config.trainer.num_steps)
+        stack.callback(metrics_log.close)
+        actor = ActorGroup(config)
+        stack.callback(actor.shutdown)
+        engines = RolloutWorkers(config)
+        stack.callback(engines.shutdown)
+
+        _load_initial_weights(actor, config)
+        # The engines start from the actor's weights: both sides hold the same policy.
+        actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20)
+
+        def validate(step: int) -> Optional[float]:
+            if val_data is None:
+                return None
+            start = time.perf_counter()
+            prompts = val_data.prompts
+            generations = engines.generate([list(p.token_ids) for p in prompts], val_sampling, r.val_n_samples)
+            samples = samples_from_generations(prompts, generations, -1, tokenizer)
+            apply_rewards(
+                samples,
+                rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples]),
+                a,
+                r.max_response_length,
+            )
+            values = validation_metrics(samples, r.val_n_samples)
+            values["time/validate"] = time.perf_counter() - start
+            metrics_log.log(step, values, console=True)
+            return values["val/accuracy"]
+
+        val_before = validate(0) if config.trainer.val_before_train else None
+        last_checkpoint = None
+        val_after = val_before
+        for step in range(1, config.trainer.num_steps + 1):
+            step_start = time.perf_counter()
+            times: dict[str, float] = {"generate": 0.0, "reward": 0.0}
+            generated_tokens = 0
+
+            # 1-4. Rounds of generation and scoring until dynamic sampling has the batch.
+            accumulator = DynamicSamplingAccumulator(
+                d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
+            )
+            round_index = 0
+            while not accumulator.is_full:
+                prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
+                params = SamplingParams(**{**sampling.__dict__, "seed": engine_seed(r.seed, step, round_index)})
+                t = time.perf_counter()
+                generations = engines.generate([list(p.token_ids) for p in prompts], params, r.n_samples_per_prompt)
+                times["generate"] += time.perf_counter() - t
+                samples = samples_from_generations(prompts, generations, round_index, tokenizer)
+                generated_tokens += sum(len(s.response_ids) for s in samples)
+                t = time.perf_counter()
+                results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
+                apply_rewards(samples, results, a, r.max_response_length)
+                times["reward"] += time.perf_counter() - t
+                accumulator.add(samples, [float(s.correct) for s in samples])
+                round_index += 1
+            kept, _, sampling_metrics = accumulator.take()
+            samples: list[Sample] = kept
+
+            # 5. Advantages by prompt identity; old log-probs; DAPO updates.
+            batch = build_policy_batch(samples, a)
+            if r.colocate:
+                engines.release_memory()
+            t = time.perf_counter()
+            old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature)
+            times["old_log_prob"] = time.perf_counter() - t
+            batch.old_log_probs = old_log_probs
+            t = time.perf_counter()
+            updates = actor.train(batch, num_updates, r.temperature)
+            times["train"] = time.perf_counter() - t
+
+            # 6. Weight sync into every engine.
+            if r.colocate:
+                engines.resume_memory()
+            t = time.perf_counter()
+            sync = actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20)
+            times["sync"] = time.perf_counter() - t
+
+            # 7. Metrics and checkpoint.
+            times["step"] = time.perf_counter() - step_start
+            mask = batch.response_mask()
+            values = {
+                **response_metrics(samples, r.max_response_length),
+                **_update_metrics(updates),
+                **{f"dynamic_sampling/{k}": v for k, v in sampling_metrics.items()},
+                **{
+                    f"rollout/{k}": v
+                    for k, v in rollout_consistency(old_log_probs, engine_log_prob_grid(samples, batch), mask).items()
+                },
+                "actor/old_entropy": float((entropy * mask).sum() / mask.sum().clamp(min=1)),
+                "actor/gen_prob_mean": float((old_log_probs.exp() * mask).sum() / mask.sum().clamp(min=1)),
+                "data/epoch": float(loader.epoch),
+                "sync/gb_per_s": sync.num_bytes / max(sync.seconds, 1e-9) / 1e9,
+                **{f"time/{k}": v for k, v in times.items()},
+                "throughput/generate_tokens_per_s": generated_tokens / max(times["generate"], 1e-9),
+                "throughput/train_tokens_per_s": float(batch.seq_lengths.sum()) * 1 / max(times["train"], 1e-9),
+                "throughput/old_log_prob_tokens_per_s": float(batch.seq_lengths.sum())
+                / max(times["old_log_prob"], 1e-9),
+            }
+            values["dynamic_sampling/all_equal_share"] = (
+                1.0 - sampling_metrics["keep_ratio"] if a.dynamic_sampling else float("nan")
+            )
+            metrics_log.log(step, values)
+            if config.checkpoint.save_every and (
+                step % config.checkpoint.save_every == 0 or step == config.trainer.num_steps
+            ):
+                last_checkpoint = actor.save(save_dir, config.checkpoint.keep_last)
+                _write_trainer_state(Path(last_checkpoint), step, loader)
+            if config.trainer.val_every and step % config.trainer.val_every == 0 and step != config.trainer.num_steps:
+                validate(step)
+        if config.trainer.val_before_train or config.trainer.val_every:
+            val_after = validate(config.trainer.num_steps)
+    return TrainResult(run_dir, config.trainer.num_steps, val_before, val_after, last_checkpoint)
+
+
+def _load_initial_weights(actor: ActorGroup, config: Config) -> None:
+    """A converted Megatron checkpoint (``checkpoint.load_dir``), else the HF folder's
+    safetensors (converted on load), else the random initialisation (with a warning)."""
+    from dapo_megatron.ckpt.dcp_io import latest_checkpoint
+
+    load_dir = config.checkpoint.load_dir
+    if load_dir is not None:
+        path = latest_checkpoint(load_dir) or Path(load_dir)
+        if not Path(path).exists():
+            raise ConfigError(f"checkpoint.load_dir={load_dir!r} does not exist")
+        logger.info("initial weights from the Megatron checkpoint %s", path)
+        actor.load_weights("megatron", str(path))
+        return
+    hf = config.model.hf_config
+    folder = Path(hf) if hf and Path(hf).is_dir() else (Path(hf).parent if hf else None)
+    if folder is not None and (any(folder.glob("*.safetensors"))):
+        logger.info("initial weights from the HF checkpoint %s (converted on load)", folder)
+        actor.load_weights("hf", str(folder))
+        return
+    logger.warning("no checkpoint.load_dir and no safetensors next to model.hf_config: training from random weights")
+
+
+def _update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """The step's DAPO updates as one set of metrics: token-weighted means, the largest
+    ratio, the last learning rate."""
+    tokens = sum(u["tokens"] for u in updates) or 1.0
+
+    def mean(key: str) -> float:
+        return sum(u[key] * u["tokens"] for u in updates) / tokens
+
+    return {
+        "actor/loss": sum(u["loss"] for u in updates) / len(updates),
+        "actor/entropy": mean("entropy"),
+        "actor/mean_prob": mean("mean_prob"),
+        "actor/pg_clipfrac_low": mean("pg_clipfrac_low"),
+        "actor/pg_clipfrac_high": mean("pg_clipfrac_high"),
+        "actor/pg_clipfrac_dual": mean("pg_clipfrac_dual"),
+        "actor/approx_kl": mean("approx_kl"),
+        "actor/ratio_mean": mean("ratio_mean"),
+        "actor/ratio_max": max(u["ratio_max"] for u in updates),
+        "actor/first_update_ratio_max": updates[0]["ratio_max"],
+        "actor/grad_norm": sum(u["grad_norm"] for u in updates) / len(updates),
+        "actor/lr": updates[-1]["lr"],
+        "actor/num_updates": float(len(updates)),
+        "actor/updates_skipped": sum(u["update_skipped"] for u in updates),
+        "actor/tokens": float(tokens),
+    }
+
+
+def _write_trainer_state(checkpoint: Path, step: int, loader: PromptLoader) -> None:
+    import json
+
+    state = {"step": step, "data": loader.state_dict(), "torch_seed": torch.initial_seed()}
+    tmp = checkpoint / "trainer_state.json.tmp"
+    tmp.write_text(json.dumps(state) + "\n")
+    tmp.replace(checkpoint / "trainer_state.json")
