@@ -11,7 +11,7 @@ SGLANG_WHEEL_DIR := $(VENV)/sglang-wheel
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dapo-installed
 
-.PHONY: test lint install clean
+.PHONY: test lint install clean demo
 
 test: $(STAMP)
 	$(PY) -m ruff check dapo_megatron tests benchmarks tools
@@ -22,6 +22,14 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check dapo_megatron tests benchmarks tools
 
 install: $(STAMP)
+
+# The embedded demo: a tiny Qwen2 learns single-digit addition with DAPO on the CPU,
+# through the real system (Ray, two Megatron ranks, the transformers engine). Each run
+# gets its own folder under runs/demo; `tensorboard --logdir runs/demo` shows them all.
+DEMO_RUN ?= runs/demo/run-$(shell date +%Y%m%d-%H%M%S)
+demo: $(STAMP)
+	$(PY) examples/demo/prepare.py runs/demo
+	$(VENV)/bin/dapo-megatron train examples/demo/demo.yaml trainer.output_dir=$(DEMO_RUN)
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -22,6 +22,7 @@ setup(
         "safetensors>=0.4",
         "psutil",
         "math-verify>=0.7",
+        "pyarrow>=14",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],

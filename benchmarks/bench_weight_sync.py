@@ -1,6 +1,10 @@
 """Weight-sync throughput, actor -> transformers engine, against a plain memory copy.
 
-Run: ``.venv/bin/python benchmarks/bench_weight_sync.py [--layers 16]``.
+Run: ``.venv/bin/python benchmarks/bench_weight_sync.py [--layers 16] [--processes]``.
+
+``--processes`` measures the sync the trainer runs: the actor rank and each engine are
+separate Ray actors (processes), buckets cross by shared-memory handle, with one engine
+and with two fed in parallel. Without it:
 
 One CPU rank holds a Megatron actor of about 1.1 GB (fp32; hidden 1024, 16 layers, ffn
 4096, vocab 32000) and a transformers engine of the same shape in the same process;
@@ -20,16 +24,10 @@ import time
 from pathlib import Path
 
 
-def _rank(out_file: str, layers: int) -> None:
-    import torch
-
-    from dapo_megatron.actor.megatron_actor import MegatronActor
-    from dapo_megatron.actor.weight_sync import sync_weights
+def _config(layers: int, **extra):
     from dapo_megatron.config import config_from_dict
-    from dapo_megatron.rollout.hf_engine import HFRolloutEngine
-    from dapo_megatron.runtime.distributed import megatron_runtime
 
-    cfg = config_from_dict(
+    return config_from_dict(
         {
             "model": {
                 "num_layers": layers,
@@ -48,20 +46,37 @@ def _rank(out_file: str, layers: int) -> None:
             "algorithm": {"overlong_buffer_len": 32},
             "data": {"train_batch_size": 4, "mini_batch_size": 4},
             "trainer": {"micro_batch_max_tokens": 512},
+            **extra,
         }
     )
+
+
+def _plain_copy_seconds(num_bytes: int) -> float:
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    copies = []
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - start)
+    return min(copies)
+
+
+def _rank(out_file: str, layers: int) -> None:
+    from dapo_megatron.actor.megatron_actor import MegatronActor
+    from dapo_megatron.actor.weight_sync import sync_weights
+    from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+    from dapo_megatron.runtime.distributed import megatron_runtime
+
+    cfg = _config(layers)
     with megatron_runtime(cfg.parallel, seed=0) as info:
         actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
         engine = HFRolloutEngine.from_model_config(cfg.model)
         syncs = [sync_weights(actor, engine) for _ in range(3)]
         best = min(syncs, key=lambda s: s.seconds)
-        src = torch.empty(best.num_bytes, dtype=torch.uint8).fill_(1)
-        dst = torch.empty_like(src)
-        copies = []
-        for _ in range(3):
-            start = time.perf_counter()
-            dst.copy_(src)
-            copies.append(time.perf_counter() - start)
+        copy_seconds = _plain_copy_seconds(best.num_bytes)
         Path(out_file).write_text(
             json.dumps(
                 {
@@ -69,16 +84,58 @@ def _rank(out_file: str, layers: int) -> None:
                     "sync_seconds": best.seconds,
                     "buckets": best.num_buckets,
                     "tensors": best.num_tensors,
-                    "copy_seconds": min(copies),
+                    "copy_seconds": copy_seconds,
                 }
             )
         )
 
 
+def across_processes(layers: int, num_engines: int) -> dict:
+    """Sync seconds (best of three) from an actor rank into ``num_engines`` engine processes."""
+    from dapo_megatron.orchestration.actor_group import ActorGroup
+    from dapo_megatron.orchestration.cluster import RayCluster
+    from dapo_megatron.orchestration.rollout import RolloutWorkers
+
+    with tempfile.TemporaryDirectory(prefix="bench-") as work:
+        cfg = _config(
+            layers,
+            rollout={
+                "max_prompt_length": 64,
+                "max_response_length": 128,
+                "engine": "hf",
+                "num_engines": num_engines,
+                "colocate": False,
+            },
+        )
+        with RayCluster(cfg.ray, work, num_cpus=4):
+            actor, engines = ActorGroup(cfg), RolloutWorkers(cfg)
+            try:
+                syncs = [actor.sync_weights(engines.handles, 512 * 2**20) for _ in range(3)]
+            finally:
+                engines.shutdown()
+                actor.shutdown()
+    best = min(syncs, key=lambda s: s.seconds)
+    return {"bytes": best.num_bytes, "sync_seconds": best.seconds, "engines": num_engines}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--processes", action="store_true", help="actor and engines in separate processes (Ray)")
     args = parser.parse_args()
+    if args.processes:
+        results = [across_processes(args.layers, n) for n in (1, 2)]
+        copy_seconds = _plain_copy_seconds(results[0]["bytes"])
+        print(
+            f"weights: {results[0]['bytes'] / 1e9:.2f} GB; plain copy of the same bytes: {copy_seconds:.2f} s = "
+            f"{results[0]['bytes'] / copy_seconds / 1e9:.2f} GB/s"
+        )
+        for r in results:
+            print(
+                f"sync into {r['engines']} engine process(es) by handle: {r['sync_seconds']:.2f} s "
+                f"({r['sync_seconds'] / copy_seconds:.2f}x the plain copy's time)"
+            )
+        return
     from dapo_megatron.runtime.launch import launch_local
 
     with tempfile.TemporaryDirectory() as work:

@@ -51,7 +51,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
-    result = train(config)
+    from dapo_megatron.algo import DynamicSamplingExhausted
+
+    try:
+        result = train(config)
+    except DynamicSamplingExhausted as exc:
+        print(f"dapo-megatron train: error: {exc}", file=sys.stderr)
+        return 1
     summary = f"trained {result.steps} steps; run folder {result.run_dir}"
     if result.val_before is not None:
         summary += f"; validation accuracy {result.val_before:.1%} -> {result.val_after:.1%}"
@@ -165,9 +171,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
-    except ConfigError as exc:  # includes ConversionError: bad input, explained
+    except ConfigError as exc:  # includes ConversionError and DataError: bad input, explained
         print(f"dapo-megatron {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"dapo-megatron {args.command}: interrupted; everything it started was stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

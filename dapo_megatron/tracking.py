@@ -67,9 +67,7 @@ class MetricsLogger:
         done = min(width, round(width * step / max(1, self.num_steps)))
         head = f"step {step:>{len(str(self.num_steps))}}/{self.num_steps} [{'#' * done}{'.' * (width - done)}]"
         parts = [head]
-        if any(name.startswith("val/") for name in metrics) and not any(
-            name.startswith("reward/") for name in metrics
-        ):
+        if any(name.startswith("val/") for name in metrics) and not any(name.startswith("reward/") for name in metrics):
             parts.append("validation")
             for name in ("val/accuracy", "val/pass_at_k", "val/response_length_mean"):
                 if name in metrics:

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from contextlib import ExitStack
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -63,9 +64,19 @@ class TrainResult:
     """The last checkpoint written."""
 
 
-def train(config: Config) -> TrainResult:
-    """Run ``config.trainer.num_steps`` DAPO steps; see the module docstring."""
+def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers], None]] = None) -> TrainResult:
+    """Run ``config.trainer.num_steps`` DAPO steps; see the module docstring.
+
+    ``inspect``, when given, is called with the actor and the engines after the last step,
+    before they are shut down (tests compare the engines' weights with the actor's).
+    """
     run_dir = Path(config.trainer.output_dir)
+    earlier = run_dir / "metrics.jsonl"
+    if earlier.exists() and earlier.stat().st_size:
+        raise ConfigError(
+            f"trainer.output_dir={str(run_dir)!r} already holds a run (metrics.jsonl); choose another "
+            "trainer.output_dir or move that run away (nothing in it is touched)"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config.to_yaml())
     r, a, d = config.rollout, config.algorithm, config.data
@@ -186,6 +197,7 @@ def train(config: Config) -> TrainResult:
                 "throughput/old_log_prob_tokens_per_s": float(batch.seq_lengths.sum())
                 / max(times["old_log_prob"], 1e-9),
             }
+            values["dynamic_sampling/batch_groups"] = len(samples) / r.n_samples_per_prompt
             values["dynamic_sampling/all_equal_share"] = (
                 1.0 - sampling_metrics["keep_ratio"] if a.dynamic_sampling else float("nan")
             )
@@ -199,6 +211,8 @@ def train(config: Config) -> TrainResult:
                 validate(step)
         if config.trainer.val_before_train or config.trainer.val_every:
             val_after = validate(config.trainer.num_steps)
+        if inspect is not None:
+            inspect(actor, engines)
     return TrainResult(run_dir, config.trainer.num_steps, val_before, val_after, last_checkpoint)
 
 

@@ -59,7 +59,9 @@ def group_advantages_by_id(rewards: torch.Tensor, group_ids: list, eps: float = 
         members.setdefault(group, []).append(index)
     sizes = {len(rows) for rows in members.values()}
     if len(sizes) != 1:
-        raise ValueError(f"groups have different sizes {sorted(sizes)}; every prompt needs the same number of responses")
+        raise ValueError(
+            f"groups have different sizes {sorted(sizes)}; every prompt needs the same number of responses"
+        )
     (size,) = sizes
     order = torch.tensor([i for rows in members.values() for i in rows])  # groups made consecutive
     advantages = torch.empty_like(rewards)

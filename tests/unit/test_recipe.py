@@ -185,6 +185,7 @@ def test_train_dry_run_for_a_two_node_allocation():
         "rollout.num_engines=4",
         "checkpoint.load_dir=/runs/dapo/qwen2_5_32b_mcore",
         "rollout.gpu_memory_utilization=0.5",
+        "ray.address=gpu-007:6379",
     ):
         assert expected in train[0]
     plan = [line for line in lines if "dapo-megatron plan" in line]

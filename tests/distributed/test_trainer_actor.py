@@ -1,0 +1,53 @@
+"""What the trainer needs of the actor: the sampling temperature in the ratio, and
+initial weights straight from an HF folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dapo_megatron.ckpt.convert import hf_to_megatron
+from dapo_megatron.runtime.launch import launch_local
+from tests.distributed import layout_worker, trainer_worker
+
+
+def test_first_update_ratio_is_one_at_the_sampling_temperature(tmp_path):
+    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+    launch_local(trainer_worker.ratio_at_temperature, 2, (str(tmp_path), 2, 0.7))
+    results = json.loads((tmp_path / "temperature_tp2.json").read_text())
+    same = results["same"]
+    assert abs(same["ratio_mean"] - 1) <= 1e-6 and abs(same["ratio_max"] - 1) <= 1e-6
+    assert abs(same["approx_kl"]) <= 1e-12 and same["pg_clipfrac_low"] == 0
+    # Negative control: training at temperature 1 against old log-probs at 0.7 is off-policy.
+    assert abs(results["control_t1"]["ratio_max"] - 1) > 1e-2
+    assert results["control_t1"]["approx_kl"] > 1e-4
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_weights_straight_from_hf_equal_the_converted_checkpoint(tmp_path, tp_size):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=120,  # padded to 128 by the actor: the padding rows must stay zero
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    hf_to_megatron(tmp_path / "hf", tmp_path / "converted", verify=False, progress=False)
+    launch_local(trainer_worker.hf_against_converted, tp_size, (str(tmp_path), tp_size))
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob(f"hf_load_tp{tp_size}_rank*.json"))]
+    assert len(reports) == tp_size
+    for report in reports:
+        assert report["num_params"] >= 4 * 6 + 3
+        assert report["unequal"] == []
+        assert report["log_prob_max_diff"] == 0.0 and report["log_prob_min"] < -1.0

@@ -1,0 +1,58 @@
+"""Rank bodies for the trainer-facing actor tests (temperature, weights straight from HF)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from dapo_megatron.actor.checkpoint import load_hf_model_weights, load_model_weights
+from dapo_megatron.actor.megatron_actor import MegatronActor
+from dapo_megatron.runtime.distributed import megatron_runtime
+from tests.distributed.actor_worker import actor_config, make_batch
+
+
+def ratio_at_temperature(workdir: str, tp_size: int, temperature: float) -> None:
+    """Old log-probs at ``temperature``; then the first update's ratio, training at the
+    same temperature and (negative control) at 1.0."""
+    cfg = actor_config(tp_size, 1)
+    results = {}
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+        for name, train_temperature in (("control_t1", 1.0), ("same", temperature)):
+            load_model_weights(actor, os.path.join(workdir, "init"))
+            batch = make_batch(5, [6, 3, 9, 4])
+            batch.old_log_probs, _ = actor.compute_log_probs(batch, temperature)
+            first = actor.train(batch, num_mini_batches=2, temperature=train_temperature)[0]
+            results[name] = {k: first[k] for k in ("ratio_mean", "ratio_max", "approx_kl", "pg_clipfrac_low")}
+    if info.rank == 0:
+        Path(workdir, f"temperature_tp{tp_size}.json").write_text(json.dumps(results))
+
+
+def hf_against_converted(workdir: str, tp_size: int) -> None:
+    """Parameters and log-probs after loading the HF folder directly and after loading its
+    converted dist checkpoint: they must be identical."""
+    cfg = actor_config(tp_size, 1, vocab_size=120)
+    cfg.model.tie_word_embeddings = False
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+        batch = make_batch(7, [5, 8, 2])
+        batch.tokens %= 120
+        load_model_weights(actor, os.path.join(workdir, "converted"))
+        converted = {n: p.detach().clone() for n, p in actor.gpt.named_parameters()}
+        lp_converted, _ = actor.compute_log_probs(batch)
+        with torch.no_grad():
+            for p in actor.gpt.parameters():
+                p.fill_(0.5)  # so nothing below passes by leftover values
+        load_hf_model_weights(actor, os.path.join(workdir, "hf"))
+        direct = {n: p.detach().clone() for n, p in actor.gpt.named_parameters()}
+        lp_direct, _ = actor.compute_log_probs(batch)
+    report = {
+        "num_params": len(direct),
+        "unequal": [n for n in direct if not torch.equal(direct[n], converted[n])],
+        "log_prob_max_diff": float((lp_direct - lp_converted).abs().max()),
+        "log_prob_min": float(lp_direct.min()),
+    }
+    Path(workdir, f"hf_load_tp{tp_size}_rank{info.rank}.json").write_text(json.dumps(report))
