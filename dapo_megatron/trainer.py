@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import ExitStack
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
