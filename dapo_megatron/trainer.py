@@ -107,7 +107,7 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
 
         _load_initial_weights(actor, config)
         # The engines start from the actor's weights: both sides hold the same policy.
-        actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20)
+        actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20, engines.num_update_ranks)
 
         def validate(step: int) -> Optional[float]:
             if val_data is None:
@@ -173,7 +173,7 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
             if r.colocate:
                 engines.resume_memory()
             t = time.perf_counter()
-            sync = actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20)
+            sync = actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20, engines.num_update_ranks)
             times["sync"] = time.perf_counter() - t
 
             # 7. Metrics and checkpoint.

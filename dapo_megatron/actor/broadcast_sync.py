@@ -14,7 +14,6 @@ GPU; gloo works for tests on a CPU.
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
@@ -23,36 +22,9 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.rollout.engine import SyncStats, WeightBucket, with_last_flag
+from dapo_megatron.runtime.weight_update_group import init_weight_update_group
 
-
-def init_weight_update_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str = "nccl",
-    timeout: Optional[datetime.timedelta] = None,
-):
-    """Join (or, as rank 0, host) a process group separate from the default one.
-
-    torch has no public API for a second, independent group across processes that do not
-    share the default group; this uses the same torch internals SGLang uses for its end.
-    """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = timeout or datetime.timedelta(minutes=10)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
-    )
-    # Collectives name ranks as "global" ranks; in this group they are the group ranks
-    # (SGLang's side does the same, so src=0 means the sender on both ends).
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
+__all__ = ["broadcast_buckets", "bucket_metadata", "init_weight_update_group"]
 
 
 def bucket_metadata(bucket: WeightBucket) -> tuple[list[str], list[str], list[list[int]]]:

@@ -9,10 +9,13 @@ returns one result: the log-probs reassembled from the data-parallel shards, the
 metrics of rank 0 (equal on every rank), the sync's statistics.
 
 Weight sync runs on the ranks: the first stage's leader (global rank 0) receives the
-other stages' buckets as :func:`sync_weights` already does and hands each bucket to every
-engine *by handle* (:mod:`handles`): packed once into a reusable shareable buffer (CUDA
-IPC on GPU, shared memory on the CPU), the handle sent to all engines at once, the next
-bucket packed while they copy. Tensors never travel through Ray's object store.
+other stages' buckets as :func:`sync_weights` already does and feeds every engine at
+once. Colocated engines get each bucket *by handle* (:mod:`handles`): packed once into a
+reusable shareable buffer (CUDA IPC on GPU, shared memory on the CPU), the handle sent
+to all engines, the next bucket packed while they copy. Separate engines join a
+weight-update group hosted by rank 0 and receive each announced bucket by broadcast
+(NCCL on GPU, gloo on the CPU; :mod:`dapo_megatron.actor.broadcast_sync`). Either way
+tensors never travel through Ray's object store.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from dapo_megatron.config import Config
 from dapo_megatron.rollout.engine import SyncStats, WeightSyncError, with_last_flag
 
 logger = logging.getLogger(__name__)
+
+_UPDATE_GROUP = "dapo_weight_update"
 
 
 class _EngineFanout:
@@ -67,6 +72,43 @@ class _EngineFanout:
         return SyncStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)
 
 
+class _Waiter:
+    """What ``broadcast_buckets`` waits on after broadcasting a bucket: the engines' receives."""
+
+    def __init__(self, refs: list) -> None:
+        self.refs = refs
+
+    def wait(self) -> None:
+        ray.get(self.refs)
+
+
+class _BroadcastFanout:
+    """Looks like one engine to :func:`sync_weights`; broadcasts every bucket over the
+    weight-update group to all (separate) engines at once."""
+
+    def __init__(self, engines: list, group, group_name: str, device: torch.device) -> None:
+        self.engines, self.group, self.group_name, self.device = engines, group, group_name, device
+
+    def update_weights(self, buckets) -> SyncStats:
+        from dapo_megatron.actor.broadcast_sync import broadcast_buckets
+
+        ray.get([engine.begin_weight_update.remote() for engine in self.engines])
+
+        def announce(names, dtypes, shapes, last):
+            return _Waiter(
+                [e.receive_broadcast_bucket.remote(names, dtypes, shapes, self.group_name, last) for e in self.engines]
+            )
+
+        try:
+            stats = broadcast_buckets(buckets, self.group, announce, device=self.device)
+            ray.get([engine.end_weight_update.remote() for engine in self.engines])
+        except Exception as exc:
+            ray.get([engine.abort_weight_update.remote() for engine in self.engines])
+            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause else exc
+            raise WeightSyncError(f"weight broadcast into the rollout engines failed: {cause}") from exc
+        return stats
+
+
 @ray.remote
 class ActorRank:
     """One rank of the Megatron actor, in its own process (see the module docstring)."""
@@ -76,6 +118,7 @@ class ActorRank:
         self.actor = None
         self.info = None
         self._buffers: list = []
+        self._update_group = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port on it (asked of rank 0)."""
@@ -144,18 +187,39 @@ class ActorRank:
 
         return str(save_checkpoint(self.actor, save_dir, keep_last))
 
-    def sync_weights(self, engines: list, bucket_bytes: int) -> Optional[dict]:
-        """Collective: stream the weights into ``engines`` (fed by global rank 0)."""
+    def sync_weights(self, engines: list, bucket_bytes: int, engine_ranks: int = 1) -> Optional[dict]:
+        """Collective: stream the weights into ``engines`` (fed by global rank 0): by handle
+        when they are colocated, by broadcast over a weight-update group when they are not."""
         from dapo_megatron.actor.weight_sync import sync_weights
         from dapo_megatron.orchestration.handles import SharedBucketBuffer
 
         fanout = None
-        if self.info.rank == 0:
+        if self.info.rank == 0 and self.config.rollout.colocate:
             if not self._buffers:
                 self._buffers = [SharedBucketBuffer(self.actor.device) for _ in range(2)]
             fanout = _EngineFanout(engines, self.actor.device, self._buffers)
+        elif self.info.rank == 0:
+            if self._update_group is None:
+                self._update_group = self._host_update_group(engines, engine_ranks)
+            fanout = _BroadcastFanout(engines, self._update_group, _UPDATE_GROUP, self.actor.device)
         stats = sync_weights(self.actor, fanout, bucket_bytes)
         return asdict(stats) if stats is not None else None
+
+    def _host_update_group(self, engines: list, engine_ranks: int):
+        """Rank 0 of a new weight-update group; every engine joins with its offset."""
+        from dapo_megatron.runtime.distributed import find_free_port
+        from dapo_megatron.runtime.weight_update_group import init_weight_update_group
+
+        address, port = ray.util.get_node_ip_address(), find_free_port()
+        world_size = 1 + len(engines) * engine_ranks
+        joins = [
+            engine.join_weight_update_group.remote(address, port, 1 + i * engine_ranks, world_size, _UPDATE_GROUP)
+            for i, engine in enumerate(engines)
+        ]
+        backend = "nccl" if self.actor.device.type == "cuda" else "gloo"
+        group = init_weight_update_group(address, port, 0, world_size, _UPDATE_GROUP, backend=backend)
+        ray.get(joins)
+        return group
 
     def export_hf_weights(self) -> Optional[dict]:
         """The full model in HF names, by value, on rank 0 (tests of small models only)."""
@@ -250,9 +314,10 @@ class ActorGroup:
         """Checkpoint folder written."""
         return self._all([r.save.remote(save_dir, keep_last) for r in self.ranks])[0]
 
-    def sync_weights(self, engines: list, bucket_bytes: int) -> SyncStats:
-        """Push the current weights into every engine (Ray actor handles)."""
-        results = self._all([r.sync_weights.remote(engines, bucket_bytes) for r in self.ranks])
+    def sync_weights(self, engines: list, bucket_bytes: int, engine_ranks: int = 1) -> SyncStats:
+        """Push the current weights into every engine (Ray actor handles; ``engine_ranks``
+        is each engine's rank count in a weight-update group)."""
+        results = self._all([r.sync_weights.remote(engines, bucket_bytes, engine_ranks) for r in self.ranks])
         return SyncStats(**results[0])
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:

@@ -50,6 +50,18 @@ class EngineWorker:
         """Map the bucket a rank packed (no copy) and let the engine copy it in."""
         self.engine.load_weight_bucket(self.receiver.open(handle), last)
 
+    def join_weight_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
+    ) -> None:
+        """Join the group the actor's rank 0 broadcasts weights over (separate engines)."""
+        self.engine.join_weight_update_group(master_address, master_port, rank_offset, world_size, group_name)
+
+    def receive_broadcast_bucket(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, last: bool
+    ) -> None:
+        """Receive one announced bucket by broadcast (the engine's own receive loop)."""
+        self.engine.receive_broadcast_bucket(names, dtypes, shapes, group_name, last)
+
     def end_weight_update(self) -> dict:
         stats = self.engine.end_weight_update()
         return {"seconds": stats.seconds, "num_bytes": stats.num_bytes}
@@ -113,6 +125,7 @@ class RolloutWorkers:
             for index in range(rollout.num_engines)
         ]
         self._all([engine.health.remote() for engine in self.engines])
+        self._update_ranks = rollout.engine_tp_size if on_gpu else 1
         logger.info("rollout engines up: %d x %s", len(self.engines), rollout.engine)
 
     @staticmethod
@@ -121,6 +134,11 @@ class RolloutWorkers:
             return ray.get(refs)
         except ray.exceptions.RayTaskError as exc:
             raise RuntimeError(f"a rollout engine failed: {exc.cause if exc.cause else exc}") from exc
+
+    @property
+    def num_update_ranks(self) -> int:
+        """Ranks each engine has in a weight-update group (its tensor-parallel size)."""
+        return self._update_ranks
 
     @property
     def handles(self) -> list:

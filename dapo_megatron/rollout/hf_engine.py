@@ -206,6 +206,36 @@ class HFRolloutEngine(RolloutEngine):
     def abort_weight_update(self) -> None:
         self._session = None
 
+    # ------------------------------------------------------------------ weights by broadcast
+
+    def join_weight_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
+    ) -> None:
+        """Join the separate group a trainer-side sender broadcasts weights over (the same
+        protocol as SGLang's engines: gloo on a CPU, NCCL on a GPU)."""
+        from dapo_megatron.runtime.weight_update_group import init_weight_update_group
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self._update_group = init_weight_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend=backend
+        )
+
+    def receive_broadcast_bucket(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, last: bool
+    ) -> None:
+        """Receive one announced bucket by broadcast from rank 0 (SGLang's receive loop) and
+        stage it into the open update."""
+        import torch.distributed as dist
+
+        if getattr(self, "_update_group", None) is None:
+            raise WeightSyncError(f"receive_broadcast_bucket before joining the weight-update group {group_name!r}")
+        tensors = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            dist.broadcast(tensor, src=0, group=self._update_group)
+            tensors.append((name, tensor))
+        self.load_weight_bucket(WeightBucket(tensors), last)
+
     def _open_session(self) -> dict:
         if self._session is None:
             raise WeightSyncError(

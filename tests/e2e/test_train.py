@@ -92,7 +92,6 @@ def run_config(root: Path, out: Path, **overrides) -> dict:
             "temperature": 0.7,
             "max_prompt_length": 8,
             "max_response_length": 6,
-            "colocate": False,
             "val_n_samples": 2,
             "val_top_p": 1.0,
         },
@@ -120,7 +119,8 @@ def run_config(root: Path, out: Path, **overrides) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_train_end_to_end(tiny_model, tmp_path):
+@pytest.mark.parametrize("colocate", [True, False], ids=["handles", "broadcast"])
+def test_train_end_to_end(tiny_model, tmp_path, colocate):
     import ray
     from safetensors.torch import load_file
 
@@ -132,7 +132,8 @@ def test_train_end_to_end(tiny_model, tmp_path):
         seen["health"] = engines.health()
 
     run_dir = tmp_path / "run"
-    config = config_from_dict(run_config(tiny_model, run_dir), "e2e")
+    # Colocated engines get buckets by shared-memory handle; separate ones by broadcast.
+    config = config_from_dict(run_config(tiny_model, run_dir, **{"rollout.colocate": colocate}), "e2e")
     result = train(config, inspect=inspect)
 
     # Metrics: every step has every metric, finite, in metrics.jsonl and in TensorBoard.
