@@ -112,6 +112,13 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _config_arguments(command: argparse.ArgumentParser, func) -> None:
+    """A run config and its dotted overrides, the arguments of every config-driven command."""
+    command.add_argument("file", metavar="FILE.yaml", help="run config")
+    command.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. parallel.tp_size=8")
+    command.set_defaults(func=func)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``dapo-megatron`` and its sub-commands."""
     parser = argparse.ArgumentParser(
@@ -127,9 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load FILE.yaml strictly, apply section.key=value overrides, fill the "
         "model shape from model.hf_config, check the layout, and print the resolved config.",
     )
-    config.add_argument("file", metavar="FILE.yaml", help="run config")
-    config.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. parallel.tp_size=8")
-    config.set_defaults(func=_cmd_config)
+    _config_arguments(config, _cmd_config)
 
     plan = commands.add_parser(
         "plan",
@@ -138,9 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         "per-GPU memory (weights, gradients, distributed optimizer, activations, log-prob buffers, SGLang). "
         "Exits 2 with the reason and the smallest change that fits when it does not fit.",
     )
-    plan.add_argument("file", metavar="FILE.yaml", help="run config")
-    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
-    plan.set_defaults(func=_cmd_plan)
+    _config_arguments(plan, _cmd_plan)
 
     train = commands.add_parser(
         "train",
@@ -148,9 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start (or join, with ray.address) a Ray cluster, place the Megatron actor's ranks and the "
         "rollout engines, and run trainer.num_steps DAPO steps, logging to TensorBoard, metrics.jsonl and the console.",
     )
-    train.add_argument("file", metavar="FILE.yaml", help="run config")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
-    train.set_defaults(func=_cmd_train)
+    _config_arguments(train, _cmd_train)
 
     convert = commands.add_parser(
         "convert",

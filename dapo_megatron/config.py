@@ -146,7 +146,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory an SGLang engine may use for weights and KV cache."""
     colocate: bool = True
-    """Engines share the actor's GPUs (memory released while the actor trains)."""
+    """Engines share the actor's devices (memory released while the actor trains) and
+    receive weights by handle (CUDA IPC on GPU, shared memory on the CPU); false: engines
+    on their own devices receive weights by broadcast over a weight-update group."""
     weight_sync_bucket_mb: int = 512
     """Size of the buckets in which weights are streamed to the engines."""
     seed: int = 1234

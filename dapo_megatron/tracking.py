@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
+import torch
+
 from dapo_megatron.config import LoggingConfig
 
 # (metric, console label, format) of the console line, in order; missing ones are skipped.
@@ -60,6 +62,11 @@ class MetricsLogger:
         if show:
             self.stream.write(self.format_line(step, clean) + "\n")
             self.stream.flush()
+
+    def log_histogram(self, step: int, name: str, values) -> None:
+        """A distribution (e.g. response lengths) to TensorBoard only."""
+        if self.writer is not None and len(values):
+            self.writer.add_histogram(name, torch.as_tensor(values, dtype=torch.float32), step)
 
     def format_line(self, step: int, metrics: dict[str, float]) -> str:
         """``step 12/150 [###.......]  reward +0.125  acc 0.562 ...`` (or the validation line)."""

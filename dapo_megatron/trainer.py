@@ -202,6 +202,7 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
                 1.0 - sampling_metrics["keep_ratio"] if a.dynamic_sampling else float("nan")
             )
             metrics_log.log(step, values)
+            metrics_log.log_histogram(step, "response/length", [len(s.response_ids) for s in samples])
             if config.checkpoint.save_every and (
                 step % config.checkpoint.save_every == 0 or step == config.trainer.num_steps
             ):

@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dapo_megatron.actor.batch import PolicyBatch
 from dapo_megatron.config import Config
+from dapo_megatron.orchestration.calls import call_all, stop_all
 from dapo_megatron.rollout.engine import SyncStats, WeightSyncError, with_last_flag
 
 logger = logging.getLogger(__name__)
@@ -268,8 +269,9 @@ class ActorGroup:
             for rank in range(self.world_size)
         ]
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
-        self.infos = self._all(
-            [r.setup.remote(rank, self.world_size, master_addr, master_port) for rank, r in enumerate(self.ranks)]
+        self.infos = call_all(
+            [r.setup.remote(rank, self.world_size, master_addr, master_port) for rank, r in enumerate(self.ranks)],
+            "an actor rank",
         )
         logger.info(
             "actor up: %d ranks (tp %d, pp %d, dp %d)",
@@ -279,21 +281,14 @@ class ActorGroup:
             self.world_size // (parallel.tp_size * parallel.pp_size * parallel.cp_size),
         )
 
-    @staticmethod
-    def _all(refs: list) -> list:
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayTaskError as exc:
-            raise RuntimeError(f"an actor rank failed: {exc.cause if exc.cause else exc}") from exc
-
     def load_weights(self, source: str, path: str) -> None:
         """Initial weights on every rank (``megatron`` checkpoint or ``hf`` folder)."""
-        self._all([r.load_weights.remote(source, path) for r in self.ranks])
+        call_all([r.load_weights.remote(source, path) for r in self.ranks], "an actor rank")
 
     def compute_log_probs(self, batch: PolicyBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, seq]`` log-probs and entropies of the loss tokens, reassembled."""
         ref = ray.put(batch)
-        parts = self._all([r.compute_log_probs.remote(ref, temperature) for r in self.ranks])
+        parts = call_all([r.compute_log_probs.remote(ref, temperature) for r in self.ranks], "an actor rank")
         log_probs = torch.zeros(batch.tokens.shape, dtype=torch.float32)
         entropy = torch.zeros_like(log_probs)
         for part in parts:
@@ -308,30 +303,27 @@ class ActorGroup:
     def train(self, batch: PolicyBatch, num_mini_batches: int, temperature: float) -> list[dict[str, float]]:
         """One rollout step of DAPO updates; each update's metrics."""
         ref = ray.put(batch)
-        return self._all([r.train.remote(ref, num_mini_batches, temperature) for r in self.ranks])[0]
+        return call_all([r.train.remote(ref, num_mini_batches, temperature) for r in self.ranks], "an actor rank")[0]
 
     def save(self, save_dir: str, keep_last: int) -> str:
         """Checkpoint folder written."""
-        return self._all([r.save.remote(save_dir, keep_last) for r in self.ranks])[0]
+        return call_all([r.save.remote(save_dir, keep_last) for r in self.ranks], "an actor rank")[0]
 
     def sync_weights(self, engines: list, bucket_bytes: int, engine_ranks: int = 1) -> SyncStats:
         """Push the current weights into every engine (Ray actor handles; ``engine_ranks``
         is each engine's rank count in a weight-update group)."""
-        results = self._all([r.sync_weights.remote(engines, bucket_bytes, engine_ranks) for r in self.ranks])
+        results = call_all(
+            [r.sync_weights.remote(engines, bucket_bytes, engine_ranks) for r in self.ranks], "an actor rank"
+        )
         return SyncStats(**results[0])
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """The full model in HF names (tests of small models)."""
-        return self._all([r.export_hf_weights.remote() for r in self.ranks])[0]
+        return call_all([r.export_hf_weights.remote() for r in self.ranks], "an actor rank")[0]
 
     def shutdown(self) -> None:
         """Tear the ranks down and free their placement group."""
-        try:
-            ray.get([r.shutdown.remote() for r in self.ranks], timeout=60)
-        except Exception as exc:  # a dead rank must not stop the others' cleanup
-            logger.warning("actor shutdown: %s", exc)
-        for rank in self.ranks:
-            ray.kill(rank)
+        stop_all(self.ranks, "actor")
         remove_placement_group(self.placement_group)
 
     def __getstate__(self) -> dict[str, Any]:

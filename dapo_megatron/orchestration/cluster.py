@@ -24,8 +24,9 @@ from dapo_megatron.config import RayConfig
 
 logger = logging.getLogger(__name__)
 
-# Longest suffix Ray appends to its temp folder: session_<date>_<time>_<us>_<pid>/sockets/plasma_store.
-_RAY_SOCKET_SUFFIX = 75
+# Longest suffix Ray appends to its temp folder: /session_<date>_<time>_<us>_<pid>/sockets/plasma_store
+# (61 characters with a 4-digit pid; room for a 7-digit one).
+_RAY_SOCKET_SUFFIX = 64
 _UNIX_PATH_MAX = 107
 
 
@@ -65,7 +66,14 @@ class RayCluster:
             ray.init(address=self.config.address, runtime_env=runtime_env, logging_level="ERROR")
             return self
         temp_dir = self._temp_dir()
-        logger.info("starting a local Ray instance (%d CPUs) in %s", self.num_cpus, temp_dir)
+        logger.info(
+            "starting a local Ray instance (%d CPUs) in %s%s",
+            self.num_cpus,
+            temp_dir,
+            f" (linked from {self.run_dir / 'ray'}: the run folder's path is too long for Ray's sockets)"
+            if self._short_dir
+            else "",
+        )
         ray.init(
             num_cpus=self.num_cpus,
             num_gpus=None,

@@ -21,6 +21,7 @@ import ray
 import torch
 
 from dapo_megatron.config import Config
+from dapo_megatron.orchestration.calls import call_all, stop_all
 from dapo_megatron.rollout.engine import Generation, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -124,16 +125,9 @@ class RolloutWorkers:
             EngineWorker.options(**options).remote(config, index, 0 if on_gpu else threads)
             for index in range(rollout.num_engines)
         ]
-        self._all([engine.health.remote() for engine in self.engines])
+        call_all([engine.health.remote() for engine in self.engines], "a rollout engine")
         self._update_ranks = rollout.engine_tp_size if on_gpu else 1
         logger.info("rollout engines up: %d x %s", len(self.engines), rollout.engine)
-
-    @staticmethod
-    def _all(refs: list) -> list:
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayTaskError as exc:
-            raise RuntimeError(f"a rollout engine failed: {exc.cause if exc.cause else exc}") from exc
 
     @property
     def num_update_ranks(self) -> int:
@@ -160,32 +154,27 @@ class RolloutWorkers:
             refs.append(self.engines[index].generate.remote(prompts[start:stop], engine_params, n))
             offsets.append(start)
         results: list[Generation] = []
-        for offset, generations in zip(offsets, self._all(refs)):
+        for offset, generations in zip(offsets, call_all(refs, "a rollout engine")):
             for generation in generations:
                 generation.prompt_index += offset
                 results.append(generation)
         return results
 
     def release_memory(self) -> None:
-        self._all([engine.release_memory.remote() for engine in self.engines])
+        call_all([engine.release_memory.remote() for engine in self.engines], "a rollout engine")
 
     def resume_memory(self) -> None:
-        self._all([engine.resume_memory.remote() for engine in self.engines])
+        call_all([engine.resume_memory.remote() for engine in self.engines], "a rollout engine")
 
     def health(self) -> list[dict]:
-        return self._all([engine.health.remote() for engine in self.engines])
+        return call_all([engine.health.remote() for engine in self.engines], "a rollout engine")
 
     def served_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
         """Engine ``index``'s served weights (tests of small models)."""
-        return self._all([self.engines[index].served_weights.remote()])[0]
+        return call_all([self.engines[index].served_weights.remote()], "a rollout engine")[0]
 
     def shutdown(self) -> None:
-        try:
-            ray.get([engine.shutdown.remote() for engine in self.engines], timeout=60)
-        except Exception as exc:  # a dead engine must not stop the others' cleanup
-            logger.warning("engine shutdown: %s", exc)
-        for engine in self.engines:
-            ray.kill(engine)
+        stop_all(self.engines, "rollout engine")
 
 
 def _split(total: int, parts: int) -> list[tuple[int, int]]:
