@@ -90,8 +90,9 @@ def _rank(out_file: str, layers: int) -> None:
         )
 
 
-def across_processes(layers: int, num_engines: int) -> dict:
-    """Sync seconds (best of three) from an actor rank into ``num_engines`` engine processes."""
+def across_processes(layers: int, num_engines: int, colocate: bool) -> dict:
+    """Sync seconds (best of three) from an actor rank into ``num_engines`` engine processes:
+    by shared-memory handle (``colocate``) or by gloo broadcast over a weight-update group."""
     from dapo_megatron.orchestration.actor_group import ActorGroup
     from dapo_megatron.orchestration.cluster import RayCluster
     from dapo_megatron.orchestration.rollout import RolloutWorkers
@@ -104,7 +105,7 @@ def across_processes(layers: int, num_engines: int) -> dict:
                 "max_response_length": 128,
                 "engine": "hf",
                 "num_engines": num_engines,
-                "colocate": False,
+                "colocate": colocate,
             },
         )
         with RayCluster(cfg.ray, work, num_cpus=4):
@@ -115,7 +116,7 @@ def across_processes(layers: int, num_engines: int) -> dict:
                 engines.shutdown()
                 actor.shutdown()
     best = min(syncs, key=lambda s: s.seconds)
-    return {"bytes": best.num_bytes, "sync_seconds": best.seconds, "engines": num_engines}
+    return {"bytes": best.num_bytes, "sync_seconds": best.seconds, "engines": num_engines, "colocate": colocate}
 
 
 def main() -> None:
@@ -124,7 +125,7 @@ def main() -> None:
     parser.add_argument("--processes", action="store_true", help="actor and engines in separate processes (Ray)")
     args = parser.parse_args()
     if args.processes:
-        results = [across_processes(args.layers, n) for n in (1, 2)]
+        results = [across_processes(args.layers, n, colocate) for colocate in (True, False) for n in (1, 2)]
         copy_seconds = _plain_copy_seconds(results[0]["bytes"])
         print(
             f"weights: {results[0]['bytes'] / 1e9:.2f} GB; plain copy of the same bytes: {copy_seconds:.2f} s = "
@@ -132,7 +133,8 @@ def main() -> None:
         )
         for r in results:
             print(
-                f"sync into {r['engines']} engine process(es) by handle: {r['sync_seconds']:.2f} s "
+                f"sync into {r['engines']} engine process(es) "
+                f"{'by shared-memory handle' if r['colocate'] else 'by gloo broadcast'}: {r['sync_seconds']:.2f} s "
                 f"({r['sync_seconds'] / copy_seconds:.2f}x the plain copy's time)"
             )
         return

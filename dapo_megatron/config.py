@@ -304,7 +304,8 @@ class RayConfig:
     """Logical CPUs of a local instance; default: one per actor rank and engine, at least
     the machine's cores."""
     engine_num_threads: int = 0
-    """Threads of each CPU rollout engine's torch ops; 0 = the machine's cores."""
+    """Threads of each CPU rollout engine's torch ops; 0 = the machine's cores divided
+    among the engines."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ tensors never travel through Ray's object store.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -130,7 +131,7 @@ class ActorRank:
     def setup(self, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
         """Bring up the runtime and build the actor; returns this rank's RuntimeInfo as a dict."""
         from dapo_megatron.actor.megatron_actor import MegatronActor
-        from dapo_megatron.orchestration.handles import use_shareable_cpu_tensors
+        from dapo_megatron.orchestration.handles import share_storage, use_shareable_cpu_tensors
         from dapo_megatron.runtime.distributed import initialize_runtime
 
         cfg = self.config
@@ -147,8 +148,13 @@ class ActorRank:
         use_shareable_cpu_tensors()
         self.info = initialize_runtime(cfg.parallel, cfg.trainer.seed)
         self.actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, self.info)
+        if self.info.is_cpu and cfg.rollout.colocate and self.info.rank == 0:
+            # Weight sync then references the parameters instead of copying them.
+            for param in self.actor.gpt.parameters():
+                share_storage(param)
         info = asdict(self.info)
         info["device"] = str(info["device"])
+        info["pid"] = os.getpid()
         return info
 
     def load_weights(self, source: str, path: str) -> None:
@@ -192,7 +198,7 @@ class ActorRank:
         """Collective: stream the weights into ``engines`` (fed by global rank 0): by handle
         when they are colocated, by broadcast over a weight-update group when they are not."""
         from dapo_megatron.actor.weight_sync import sync_weights
-        from dapo_megatron.orchestration.handles import SharedBucketBuffer
+        from dapo_megatron.orchestration.handles import SharedBucketBuffer, share_storage
 
         fanout = None
         if self.info.rank == 0 and self.config.rollout.colocate:
@@ -204,6 +210,10 @@ class ActorRank:
                 self._update_group = self._host_update_group(engines, engine_ranks)
             fanout = _BroadcastFanout(engines, self._update_group, _UPDATE_GROUP, self.actor.device)
         stats = sync_weights(self.actor, fanout, bucket_bytes)
+        if self.info.rank == 0 and self.config.rollout.colocate and self.info.is_cpu:
+            # The q/k/v export buffers persist across syncs: reference them from the next one.
+            for buffer in self.actor.hf_export_buffers.values():
+                share_storage(buffer)
         return asdict(stats) if stats is not None else None
 
     def _host_update_group(self, engines: list, engine_ranks: int):
@@ -240,6 +250,8 @@ class ActorRank:
         for buffer in self._buffers:
             buffer.close()
         self._buffers = []
+        self.actor = None
+        gc.collect()
         if self.info is not None:
             shutdown_runtime()
             self.info = None
@@ -323,8 +335,12 @@ class ActorGroup:
 
     def shutdown(self) -> None:
         """Tear the ranks down and free their placement group."""
+        from dapo_megatron.orchestration.handles import remove_shared_files_of
+
         stop_all(self.ranks, "actor")
         remove_placement_group(self.placement_group)
+        # Ray killed the ranks: remove the shared memory they created (weight sync).
+        remove_shared_files_of([info["pid"] for info in self.infos])
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("ActorGroup lives on the driver; pass its methods' results, not the group")

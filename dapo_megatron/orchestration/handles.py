@@ -14,8 +14,13 @@ memory. The receiver maps the same memory and copies out what it keeps.
   the handle is made by the same ``ForkingPickler``: the CPU tests exercise the handle
   design itself.
 
-A :class:`SharedBucketBuffer` is allocated once and reused by every sync; the receiver
-caches the mapping per handle, so steady-state syncs create no new shared memory.
+On the CPU the actor's parameters themselves are moved into shared memory once
+(:func:`share_storage`), so a bucket of tensors that are views of them is sent as
+references into that memory and the sender copies nothing; only tensors the sync had to
+rearrange (or gather) are copied into a reusable staging buffer. The receiver caches the
+mapping per handle, so steady-state syncs create no new shared memory, and the engine
+makes the one copy it needs to swap weights all or nothing. The driver removes the
+ranks' shared-memory files once they are gone (:func:`remove_shared_files_of`).
 """
 
 from __future__ import annotations
@@ -24,11 +29,32 @@ import io
 import pickle
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as torch_mp
 
 from dapo_megatron.rollout.engine import WeightBucket
+
+
+def remove_shared_files_of(pids: list[int]) -> int:
+    """Remove the shared-memory files that the (finished) processes ``pids`` created.
+
+    torch names them ``torch_<pid>_...`` and removes one only when the last process
+    mapping it frees it; a process that is killed, or whose tensors are still referenced
+    when it exits (megatron keeps references to the parameters), leaves its files in
+    ``/dev/shm``. The driver calls this for the actor ranks it started, after they are
+    gone, so a run leaves nothing behind. Returns how many files were removed.
+    """
+    removed = 0
+    for pid in pids:
+        for path in Path("/dev/shm").glob(f"torch_{int(pid)}_*"):
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def use_shareable_cpu_tensors() -> None:
@@ -55,73 +81,117 @@ def open_tensor_handle(handle: bytes) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class BucketHandle:
-    """A bucket in transit: the handle of its flat byte buffer and its tensors' layout."""
+    """A bucket in transit: handles of the buffers its tensors live in, and their layout."""
 
-    buffer: bytes
-    """Handle of the flat ``uint8`` buffer (see :func:`tensor_handle`)."""
-    layout: tuple[tuple[str, tuple[int, ...], torch.dtype, int], ...]
-    """``(hf_name, shape, dtype, byte_offset)`` of each tensor in the buffer."""
+    buffers: tuple[bytes, ...]
+    """Handles of flat ``uint8`` buffers (see :func:`tensor_handle`)."""
+    layout: tuple[tuple[str, tuple[int, ...], torch.dtype, int, int], ...]
+    """``(hf_name, shape, dtype, buffer_index, byte_offset)`` of each (contiguous) tensor."""
 
     @property
     def num_bytes(self) -> int:
         """Bytes of tensor data the bucket carries."""
-        return sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype, _ in self.layout)
+        return sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype, _, _ in self.layout)
+
+
+def share_storage(tensor: torch.Tensor) -> None:
+    """Move ``tensor``'s whole storage into shared memory, in place (every view of it
+    follows), so buckets can name it instead of copying it."""
+    storage = tensor.untyped_storage()
+    if tensor.device.type == "cpu" and not storage.is_shared():
+        use_shareable_cpu_tensors()
+        storage.share_memory_()
 
 
 class SharedBucketBuffer:
-    """One reusable shareable buffer that buckets are packed into, one at a time.
+    """Turns buckets into handles, copying as little as possible.
 
-    Grows (a new allocation, hence a new handle) only when a bucket is larger than any
-    before it.
+    A tensor that is a contiguous view of shared CPU memory (the actor's parameters once
+    :func:`share_storage` moved them there) travels as a reference into that memory: no
+    copy at all on the sender. Any other tensor is copied into one reusable shareable
+    staging buffer, which grows (a new allocation, hence a new handle) only when a bucket
+    needs more than any before it.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._flat: torch.Tensor | None = None
         self._handle: bytes | None = None
+        self._storage_handles: dict[int, bytes] = {}
+
+    def _storage_handle(self, tensor: torch.Tensor) -> bytes:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._storage_handles:
+            whole = torch.empty(0, dtype=torch.uint8).set_(storage)  # [storage bytes]
+            self._storage_handles[key] = tensor_handle(whole)
+        return self._storage_handles[key]
 
     def pack(self, bucket: WeightBucket) -> BucketHandle:
-        """Copy ``bucket``'s tensors into the buffer and return its handle and layout."""
-        total = sum(_aligned(t.nbytes) for _, t in bucket.tensors)
-        if self._flat is None or self._flat.numel() < total:
+        """Reference or copy ``bucket``'s tensors; return the handles and layout."""
+        referenced = [
+            t.device.type == "cpu" and t.is_shared() and t.is_contiguous() and self.device.type == "cpu"
+            for _, t in bucket.tensors
+        ]
+        total = sum(_aligned(t.nbytes) for (_, t), ref in zip(bucket.tensors, referenced) if not ref)
+        if total and (self._flat is None or self._flat.numel() < total):
             self._flat = torch.empty(total, dtype=torch.uint8, device=self.device)
             if self.device.type == "cpu":
+                use_shareable_cpu_tensors()
                 self._flat.share_memory_()
             self._handle = tensor_handle(self._flat)
+        buffers: list[bytes] = []
         layout, offset = [], 0
-        for name, tensor in bucket.tensors:
+
+        def index_of(handle: bytes) -> int:
+            if handle not in buffers:
+                buffers.append(handle)
+            return buffers.index(handle)
+
+        for (name, tensor), ref in zip(bucket.tensors, referenced):
+            if ref:
+                byte_offset = tensor.storage_offset() * tensor.element_size()
+                layout.append(
+                    (name, tuple(tensor.shape), tensor.dtype, index_of(self._storage_handle(tensor)), byte_offset)
+                )
+                continue
             size = tensor.nbytes
-            target = self._flat[offset : offset + size].view(tensor.dtype).view(tensor.shape)
-            target.copy_(tensor)
-            layout.append((name, tuple(tensor.shape), tensor.dtype, offset))
+            self._flat[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            layout.append((name, tuple(tensor.shape), tensor.dtype, index_of(self._handle), offset))
             offset += _aligned(size)
-        return BucketHandle(self._handle, tuple(layout))
+        return BucketHandle(tuple(buffers), tuple(layout))
 
     def close(self) -> None:
-        """Free the buffer (its shared memory goes once every receiver dropped it too)."""
+        """Drop the staging buffer and the references (shared memory goes once every
+        process dropped it too)."""
         self._flat, self._handle = None, None
+        self._storage_handles = {}
 
 
 class BucketReceiver:
-    """The receiving end: maps a bucket handle (cached per buffer) into a WeightBucket of views."""
+    """The receiving end: maps a bucket's buffers (cached per handle) into a WeightBucket of views."""
 
-    max_mapped = 4
-    """Buffers kept mapped (a sender double-buffers; more would be stale)."""
+    max_mapped = 4096
+    """Buffers kept mapped: the sender's parameter storages and staging buffers are
+    reused sync after sync, so this set stays small; the oldest goes beyond it."""
 
     def __init__(self) -> None:
         self._mapped: dict[bytes, torch.Tensor] = {}
 
-    def open(self, bucket: BucketHandle) -> WeightBucket:
-        flat = self._mapped.get(bucket.buffer)
+    def _map(self, handle: bytes) -> torch.Tensor:
+        flat = self._mapped.get(handle)
         if flat is None:
-            # Senders alternate between a few buffers; one that grew replaces the oldest.
             if len(self._mapped) >= self.max_mapped:
                 self._mapped.pop(next(iter(self._mapped)))
-            flat = self._mapped[bucket.buffer] = open_tensor_handle(bucket.buffer)
+            flat = self._mapped[handle] = open_tensor_handle(handle)
+        return flat
+
+    def open(self, bucket: BucketHandle) -> WeightBucket:
+        flats = [self._map(handle) for handle in bucket.buffers]
         tensors = []
-        for name, shape, dtype, offset in bucket.layout:
+        for name, shape, dtype, index, offset in bucket.layout:
             size = torch.Size(shape).numel() * dtype.itemsize
-            tensors.append((name, flat[offset : offset + size].view(dtype).view(shape)))
+            tensors.append((name, flats[index][offset : offset + size].view(dtype).view(shape)))
         return WeightBucket(tensors)
 
     def close(self) -> None:

@@ -119,7 +119,9 @@ class RolloutWorkers:
         on_gpu = rollout.engine == "sglang" or (
             rollout.engine == "auto" and torch.cuda.is_available() and config.parallel.device != "cpu"
         )
-        threads = config.ray.engine_num_threads or (os.cpu_count() or 1)
+        # CPU engines share the machine's cores: oversubscribed OpenMP threads spin and
+        # slow every copy and matmul down several times.
+        threads = config.ray.engine_num_threads or max(1, (os.cpu_count() or 1) // rollout.num_engines)
         options = {"num_cpus": 1, "num_gpus": (0.2 if rollout.colocate else rollout.engine_tp_size) if on_gpu else 0}
         self.engines = [
             EngineWorker.options(**options).remote(config, index, 0 if on_gpu else threads)

@@ -130,6 +130,7 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate):
         seen["actor"] = actor.export_hf_weights()
         seen["engine"] = engines.served_weights(0)
         seen["health"] = engines.health()
+        seen["rank_pids"] = [info["pid"] for info in actor.infos]
 
     run_dir = tmp_path / "run"
     # Colocated engines get buckets by shared-memory handle; separate ones by broadcast.
@@ -172,6 +173,7 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate):
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["temperature"] == 0.7
     assert result.last_checkpoint is not None and Path(result.last_checkpoint, "trainer_state.json").exists()
     assert not ray.is_initialized() and not (run_dir / "ray").is_symlink()
+    assert not [p for pid in seen["rank_pids"] for p in Path("/dev/shm").glob(f"torch_{pid}_*")]
 
 
 @pytest.mark.timeout(600)
