@@ -17,14 +17,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from dapo_megatron.actor.batch import PolicyBatch
 from dapo_megatron.algo import DynamicSamplingAccumulator
 from dapo_megatron.algo.metrics import rollout_consistency
 from dapo_megatron.algo.rewards.pool import RewardPool
@@ -42,7 +43,7 @@ from dapo_megatron.experience import (
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.orchestration.cluster import RayCluster
 from dapo_megatron.orchestration.rollout import RolloutWorkers, engine_seed
-from dapo_megatron.rollout.engine import SamplingParams
+from dapo_megatron.rollout.engine import SamplingParams, SyncStats
 from dapo_megatron.tracking import MetricsLogger
 
 logger = logging.getLogger(__name__)
@@ -112,18 +113,7 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
         def validate(step: int) -> Optional[float]:
             if val_data is None:
                 return None
-            start = time.perf_counter()
-            prompts = val_data.prompts
-            generations = engines.generate([list(p.token_ids) for p in prompts], val_sampling, r.val_n_samples)
-            samples = samples_from_generations(prompts, generations, -1, tokenizer)
-            apply_rewards(
-                samples,
-                rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples]),
-                a,
-                r.max_response_length,
-            )
-            values = validation_metrics(samples, r.val_n_samples)
-            values["time/validate"] = time.perf_counter() - start
+            values = _validate(engines, rewards, val_data.prompts, val_sampling, config, tokenizer)
             metrics_log.log(step, values, console=True)
             return values["val/accuracy"]
 
@@ -132,76 +122,31 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
         val_after = val_before
         for step in range(1, config.trainer.num_steps + 1):
             step_start = time.perf_counter()
-            times: dict[str, float] = {"generate": 0.0, "reward": 0.0}
-            generated_tokens = 0
+            times: dict[str, float] = {}
 
-            # 1-4. Rounds of generation and scoring until dynamic sampling has the batch.
-            accumulator = DynamicSamplingAccumulator(
-                d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
+            # 1-4. Prompts, responses, rewards, dynamic sampling: the step's groups.
+            samples, rollout_metrics = _collect_groups(
+                engines, rewards, loader, sampling, config, tokenizer, step, times
             )
-            round_index = 0
-            while not accumulator.is_full:
-                prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
-                params = SamplingParams(**{**sampling.__dict__, "seed": engine_seed(r.seed, step, round_index)})
-                t = time.perf_counter()
-                generations = engines.generate([list(p.token_ids) for p in prompts], params, r.n_samples_per_prompt)
-                times["generate"] += time.perf_counter() - t
-                samples = samples_from_generations(prompts, generations, round_index, tokenizer)
-                generated_tokens += sum(len(s.response_ids) for s in samples)
-                t = time.perf_counter()
-                results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
-                apply_rewards(samples, results, a, r.max_response_length)
-                times["reward"] += time.perf_counter() - t
-                accumulator.add(samples, [float(s.correct) for s in samples])
-                round_index += 1
-            kept, _, sampling_metrics = accumulator.take()
-            samples: list[Sample] = kept
 
             # 5. Advantages by prompt identity; old log-probs; DAPO updates.
             batch = build_policy_batch(samples, a)
             if r.colocate:
                 engines.release_memory()
-            t = time.perf_counter()
-            old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature)
-            times["old_log_prob"] = time.perf_counter() - t
-            batch.old_log_probs = old_log_probs
-            t = time.perf_counter()
-            updates = actor.train(batch, num_updates, r.temperature)
-            times["train"] = time.perf_counter() - t
+            with _timed(times, "old_log_prob"):
+                batch.old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature)
+            with _timed(times, "train"):
+                updates = actor.train(batch, num_updates, r.temperature)
 
             # 6. Weight sync into every engine.
             if r.colocate:
                 engines.resume_memory()
-            t = time.perf_counter()
-            sync = actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20, engines.num_update_ranks)
-            times["sync"] = time.perf_counter() - t
-
-            # 7. Metrics and checkpoint.
+            with _timed(times, "sync"):
+                sync = actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20, engines.num_update_ranks)
             times["step"] = time.perf_counter() - step_start
-            mask = batch.response_mask()
-            values = {
-                **response_metrics(samples, r.max_response_length),
-                **_update_metrics(updates),
-                **{f"dynamic_sampling/{k}": v for k, v in sampling_metrics.items()},
-                **{
-                    f"rollout/{k}": v
-                    for k, v in rollout_consistency(old_log_probs, engine_log_prob_grid(samples, batch), mask).items()
-                },
-                "actor/old_entropy": float((entropy * mask).sum() / mask.sum().clamp(min=1)),
-                "actor/gen_prob_mean": float((old_log_probs.exp() * mask).sum() / mask.sum().clamp(min=1)),
-                "data/epoch": float(loader.epoch),
-                "sync/gb_per_s": sync.num_bytes / max(sync.seconds, 1e-9) / 1e9,
-                **{f"time/{k}": v for k, v in times.items()},
-                "throughput/generate_tokens_per_s": generated_tokens / max(times["generate"], 1e-9),
-                "throughput/train_tokens_per_s": float(batch.seq_lengths.sum()) * 1 / max(times["train"], 1e-9),
-                "throughput/old_log_prob_tokens_per_s": float(batch.seq_lengths.sum())
-                / max(times["old_log_prob"], 1e-9),
-            }
-            values["dynamic_sampling/batch_groups"] = len(samples) / r.n_samples_per_prompt
-            values["dynamic_sampling/all_equal_share"] = (
-                1.0 - sampling_metrics["keep_ratio"] if a.dynamic_sampling else float("nan")
-            )
-            metrics_log.log(step, values)
+
+            # 7. Metrics, checkpoint, validation.
+            metrics_log.log(step, {**rollout_metrics, **_step_metrics(samples, batch, entropy, updates, sync, times)})
             metrics_log.log_histogram(step, "response/length", [len(s.response_ids) for s in samples])
             if config.checkpoint.save_every and (
                 step % config.checkpoint.save_every == 0 or step == config.trainer.num_steps
@@ -215,6 +160,103 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
         if inspect is not None:
             inspect(actor, engines)
     return TrainResult(run_dir, config.trainer.num_steps, val_before, val_after, last_checkpoint)
+
+
+@contextmanager
+def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the block's wall time to ``times[phase]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _collect_groups(
+    engines: RolloutWorkers,
+    rewards: RewardPool,
+    loader: PromptLoader,
+    sampling: SamplingParams,
+    config: Config,
+    tokenizer,
+    step: int,
+    times: dict[str, float],
+) -> tuple[list[Sample], dict[str, float]]:
+    """Rounds of generation and scoring until dynamic sampling holds ``train_batch_size``
+    groups (or fails after ``max_num_gen_batches`` rounds, naming the knobs). Returns the
+    kept samples (groups consecutive) and the rollout's metrics."""
+    r, a, d = config.rollout, config.algorithm, config.data
+    accumulator = DynamicSamplingAccumulator(
+        d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
+    )
+    times.setdefault("generate", 0.0)
+    times.setdefault("reward", 0.0)
+    generated_tokens = all_equal = groups = 0
+    round_index = 0
+    while not accumulator.is_full:
+        prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
+        params = replace(sampling, seed=engine_seed(r.seed, step, round_index))
+        with _timed(times, "generate"):
+            generations = engines.generate([list(p.token_ids) for p in prompts], params, r.n_samples_per_prompt)
+        samples = samples_from_generations(prompts, generations, round_index, tokenizer)
+        with _timed(times, "reward"):
+            results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
+            apply_rewards(samples, results, a, r.max_response_length)
+        generated_tokens += sum(len(s.response_ids) for s in samples)
+        outcomes: dict = {}
+        for sample in samples:
+            outcomes.setdefault(sample.group_id, set()).add(sample.correct)
+        groups += len(outcomes)
+        all_equal += sum(len(o) == 1 for o in outcomes.values())
+        round_index += 1
+        accumulator.add(samples, [float(s.correct) for s in samples])
+    kept, _, sampling_metrics = accumulator.take()
+    metrics = {
+        **response_metrics(kept, r.max_response_length),
+        **{f"dynamic_sampling/{k}": v for k, v in sampling_metrics.items()},
+        "dynamic_sampling/batch_groups": len(kept) / r.n_samples_per_prompt,
+        "dynamic_sampling/all_equal_share": all_equal / max(groups, 1),
+        "throughput/generate_tokens_per_s": generated_tokens / max(times["generate"], 1e-9),
+        "data/epoch": float(loader.epoch),
+    }
+    return kept, metrics
+
+
+def _step_metrics(
+    samples: list[Sample],
+    batch: PolicyBatch,
+    entropy: torch.Tensor,
+    updates: list[dict[str, float]],
+    sync: SyncStats,
+    times: dict[str, float],
+) -> dict[str, float]:
+    """The actor's, the train/rollout gap's and the phases' metrics of one step."""
+    mask = batch.response_mask()  # [batch, seq]
+    tokens = float(batch.seq_lengths.sum())
+    gap = rollout_consistency(batch.old_log_probs, engine_log_prob_grid(samples, batch), mask)
+    return {
+        **_update_metrics(updates),
+        **{f"rollout/{k}": v for k, v in gap.items()},
+        "actor/old_entropy": float((entropy * mask).sum() / mask.sum().clamp(min=1)),
+        "actor/gen_prob_mean": float((batch.old_log_probs.exp() * mask).sum() / mask.sum().clamp(min=1)),
+        "sync/gb_per_s": sync.num_bytes / max(sync.seconds, 1e-9) / 1e9,
+        **{f"time/{k}": v for k, v in times.items()},
+        "throughput/train_tokens_per_s": tokens / max(times["train"], 1e-9),
+        "throughput/old_log_prob_tokens_per_s": tokens / max(times["old_log_prob"], 1e-9),
+    }
+
+
+def _validate(
+    engines: RolloutWorkers, rewards: RewardPool, prompts: list, sampling: SamplingParams, config: Config, tokenizer
+) -> dict[str, float]:
+    """avg@k and pass@k of the current policy on the validation prompts."""
+    start = time.perf_counter()
+    r = config.rollout
+    generations = engines.generate([list(p.token_ids) for p in prompts], sampling, r.val_n_samples)
+    samples = samples_from_generations(prompts, generations, -1, tokenizer)
+    results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
+    apply_rewards(samples, results, config.algorithm, r.max_response_length)
+    return {**validation_metrics(samples, r.val_n_samples), "time/validate": time.perf_counter() - start}
 
 
 def _load_initial_weights(actor: ActorGroup, config: Config) -> None:

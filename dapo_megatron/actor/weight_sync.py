@@ -11,8 +11,10 @@ on every rank of the first data-parallel replica:
 - the leader converts the full parameter with :mod:`dapo_megatron.ckpt.qwen2_mapping`
   (the converter's mapping; vocabulary padding stripped) under its *global* layer index
   and packs the results into buckets of ``bucket_bytes``;
-- stage 0's leader (global rank 0, which holds the engine handle) feeds its own buckets
-  and then each later stage's, received bucket by bucket, to ``engine.update_weights``.
+- every stage leader sends its buckets to the *feeders*, the ranks that hold an engine
+  handle (by default global rank 0; the orchestration picks one rank per node that has
+  engines), and each feeder hands its engine all stages' buckets, in model order, as
+  they arrive (``engine.update_weights``).
 
 No rank ever holds more than one parameter's full tensor plus one bucket, never the
 whole model. Unsharded parameters travel as views of the live weights (no copy); the
@@ -141,54 +143,92 @@ def _recv_buckets(src: int) -> Iterator[WeightBucket]:
         yield bucket
 
 
-def sync_weights(
-    actor, engine: Optional[RolloutEngine], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> Optional[SyncStats]:
-    """Push the actor's current weights into ``engine``. Collective over all actor ranks.
+def feeder_roles(ranks: list[tuple[int, int, int, int]]) -> tuple[list[int], set[int]]:
+    """``(stage_leaders, valid_feeders)`` from every rank's ``(rank, dp, tp, pp)``.
 
-    ``engine`` is the engine handle on global rank 0 (ignored elsewhere). Returns the
-    sync's statistics on rank 0 (wall time includes gathering and conversion), None on
-    other ranks. Raises :class:`WeightSyncError` on rank 0 when the engine refuses the
-    weights; it then keeps its previous ones.
+    The stage leaders are the first data-parallel replica's tensor-parallel rank 0 of
+    each pipeline stage, in stage order. A feeder may be a stage leader or any rank of
+    another replica, not a tensor-parallel peer inside the first replica: that one takes
+    part in its stage's gathers while the buckets stream, and would wait on both.
     """
-    from megatron.core import parallel_state
+    leaders = [rank for _, rank in sorted((pp, rank) for rank, dp, tp, pp in ranks if dp == 0 and tp == 0)]
+    valid = {rank for rank, dp, _, _ in ranks if dp != 0 or rank in leaders}
+    return leaders, valid
 
+
+def _roles(actor) -> tuple[list[int], set[int]]:
+    if getattr(actor, "_sync_roles", None) is None:
+        runtime = actor.runtime
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (runtime.rank, runtime.dp_rank, runtime.tp_rank, runtime.pp_rank))
+        actor._sync_roles = feeder_roles(everyone)
+    return actor._sync_roles
+
+
+def sync_weights(
+    actor,
+    engine: Optional[RolloutEngine],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    feeders: tuple[int, ...] = (0,),
+) -> Optional[SyncStats]:
+    """Push the actor's current weights into the engines. Collective over all actor ranks.
+
+    ``feeders`` are the global ranks that feed an engine (each rank in it passes its own
+    ``engine``, typically the engines on its node; the others pass None). Every stage
+    leader of the first replica streams its buckets to every feeder, and each feeder
+    hands its engine all stages' buckets in model order, so several engines are fed at
+    once, each by a rank near it. Returns the sync's statistics on the feeders (wall time
+    includes gathering and conversion), None elsewhere. Raises :class:`WeightSyncError`
+    on a feeder whose engine refuses the weights; it then keeps its previous ones.
+    """
     start = time.perf_counter()
+    rank = dist.get_rank()
+    feeders = tuple(sorted(set(feeders)))
+    leaders, valid = _roles(actor)
+    if set(feeders) - valid:
+        raise ValueError(
+            f"sync_weights: ranks {sorted(set(feeders) - valid)} cannot feed engines (tensor-parallel peers in "
+            f"the first data-parallel replica); valid feeders are {sorted(valid)}"
+        )
+    others = [f for f in feeders if f != rank]
     stats = None
     error: Optional[BaseException] = None
-    if actor.runtime.dp_rank == 0:
-        # The pipeline group of a tensor-parallel rank 0 holds every stage's leader.
-        stage_leaders = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-        is_leader = actor.runtime.tp_rank == 0
-        if is_leader and actor.runtime.pp_rank == 0:
-            if engine is None:
-                raise ValueError("sync_weights needs the engine on the first stage's leader (global rank 0)")
 
-            def stream() -> Iterator[WeightBucket]:
-                yield from iter_weight_buckets(actor, bucket_bytes)
-                for src in stage_leaders[1:]:
-                    yield from _recv_buckets(src)
+    def own_buckets() -> Iterator[WeightBucket]:
+        # This stage's buckets, sent to every other feeder as they are made.
+        for bucket in iter_weight_buckets(actor, bucket_bytes):
+            for feeder in others:
+                _send_bucket(bucket, feeder)
+            yield bucket
+        for feeder in others:
+            _send_bucket(None, feeder)
 
-            buckets = stream()
-            try:
-                engine_stats = engine.update_weights(buckets)
-                stats = SyncStats(
-                    time.perf_counter() - start,
-                    engine_stats.num_bytes,
-                    engine_stats.num_tensors,
-                    engine_stats.num_buckets,
-                )
-            except BaseException as exc:  # drain the other stages so they do not hang, then raise
-                error = exc
-                for _ in buckets:
-                    pass
-        elif is_leader:
-            for bucket in iter_weight_buckets(actor, bucket_bytes):
-                _send_bucket(bucket, stage_leaders[0])
-            _send_bucket(None, stage_leaders[0])
-        else:
-            for _ in iter_weight_buckets(actor, bucket_bytes):
+    if rank in feeders:
+        if engine is None:
+            raise ValueError(f"sync_weights: feeder rank {rank} was given no engine")
+
+        def stream() -> Iterator[WeightBucket]:
+            # Stages in model order: earlier stages' buckets come first on every feeder,
+            # which is what keeps the sends of all stage leaders free of cycles.
+            for leader in leaders:
+                yield from own_buckets() if leader == rank else _recv_buckets(leader)
+
+        buckets = stream()
+        try:
+            engine_stats = engine.update_weights(buckets)
+            stats = SyncStats(
+                time.perf_counter() - start, engine_stats.num_bytes, engine_stats.num_tensors, engine_stats.num_buckets
+            )
+        except BaseException as exc:  # drain the other stages so they do not hang, then raise
+            error = exc
+            for _ in buckets:
                 pass
+    elif rank in leaders:
+        for _ in own_buckets():
+            pass
+    elif actor.runtime.dp_rank == 0:
+        for _ in iter_weight_buckets(actor, bucket_bytes):  # this stage's gathers are collective
+            pass
     dist.barrier()
     if error is not None:
         raise error

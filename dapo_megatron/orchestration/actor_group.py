@@ -148,7 +148,7 @@ class ActorRank:
         use_shareable_cpu_tensors()
         self.info = initialize_runtime(cfg.parallel, cfg.trainer.seed)
         self.actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, self.info)
-        if self.info.is_cpu and cfg.rollout.colocate and self.info.rank == 0:
+        if self.info.is_cpu and cfg.rollout.colocate:
             # Weight sync then references the parameters instead of copying them.
             for param in self.actor.gpt.parameters():
                 share_storage(param)
@@ -194,23 +194,30 @@ class ActorRank:
 
         return str(save_checkpoint(self.actor, save_dir, keep_last))
 
-    def sync_weights(self, engines: list, bucket_bytes: int, engine_ranks: int = 1) -> Optional[dict]:
-        """Collective: stream the weights into ``engines`` (fed by global rank 0): by handle
-        when they are colocated, by broadcast over a weight-update group when they are not."""
+    def node_id(self) -> str:
+        """The Ray node this rank runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def sync_weights(
+        self, engines: list, bucket_bytes: int, engine_ranks: int, feeders: tuple[int, ...]
+    ) -> Optional[dict]:
+        """Collective: stream the weights into the engines. ``engines`` are the ones this
+        rank feeds (empty unless it is in ``feeders``): by handle when they are colocated,
+        by broadcast over a weight-update group hosted by rank 0 when they are not."""
         from dapo_megatron.actor.weight_sync import sync_weights
         from dapo_megatron.orchestration.handles import SharedBucketBuffer, share_storage
 
         fanout = None
-        if self.info.rank == 0 and self.config.rollout.colocate:
+        if engines and self.config.rollout.colocate:
             if not self._buffers:
                 self._buffers = [SharedBucketBuffer(self.actor.device) for _ in range(2)]
             fanout = _EngineFanout(engines, self.actor.device, self._buffers)
-        elif self.info.rank == 0:
+        elif engines:
             if self._update_group is None:
                 self._update_group = self._host_update_group(engines, engine_ranks)
             fanout = _BroadcastFanout(engines, self._update_group, _UPDATE_GROUP, self.actor.device)
-        stats = sync_weights(self.actor, fanout, bucket_bytes)
-        if self.info.rank == 0 and self.config.rollout.colocate and self.info.is_cpu:
+        stats = sync_weights(self.actor, fanout, bucket_bytes, feeders)
+        if engines and self.config.rollout.colocate and self.info.is_cpu:
             # The q/k/v export buffers persist across syncs: reference them from the next one.
             for buffer in self.actor.hf_export_buffers.values():
                 share_storage(buffer)
@@ -280,6 +287,7 @@ class ActorGroup:
             ).remote(config)
             for rank in range(self.world_size)
         ]
+        self._node_ids: Optional[list[str]] = None
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
         self.infos = call_all(
             [r.setup.remote(rank, self.world_size, master_addr, master_port) for rank, r in enumerate(self.ranks)],
@@ -321,13 +329,52 @@ class ActorGroup:
         """Checkpoint folder written."""
         return call_all([r.save.remote(save_dir, keep_last) for r in self.ranks], "an actor rank")[0]
 
-    def sync_weights(self, engines: list, bucket_bytes: int, engine_ranks: int = 1) -> SyncStats:
+    def sync_weights(
+        self,
+        engines: list,
+        bucket_bytes: int,
+        engine_ranks: int = 1,
+        feeders: Optional[dict[int, list[int]]] = None,
+    ) -> SyncStats:
         """Push the current weights into every engine (Ray actor handles; ``engine_ranks``
-        is each engine's rank count in a weight-update group)."""
+        is each engine's rank count in a weight-update group).
+
+        ``feeders`` maps a rank to the indices of the engines it feeds; by default each
+        engine is fed by a rank on its own node (:meth:`plan_feeders`). Separate engines
+        are all fed by rank 0, which hosts their weight-update group.
+        """
+        if feeders is None:
+            feeders = self.plan_feeders(engines) if self.config.rollout.colocate else {0: list(range(len(engines)))}
+        ranks = tuple(sorted(feeders))
         results = call_all(
-            [r.sync_weights.remote(engines, bucket_bytes, engine_ranks) for r in self.ranks], "an actor rank"
+            [
+                r.sync_weights.remote([engines[i] for i in feeders.get(rank, [])], bucket_bytes, engine_ranks, ranks)
+                for rank, r in enumerate(self.ranks)
+            ],
+            "an actor rank",
         )
-        return SyncStats(**results[0])
+        done = [SyncStats(**result) for result in results if result is not None]
+        return SyncStats(
+            max(s.seconds for s in done),
+            sum(s.num_bytes for s in done),
+            sum(s.num_tensors for s in done),
+            sum(s.num_buckets for s in done),
+        )
+
+    def plan_feeders(self, engines: list) -> dict[int, list[int]]:
+        """Each engine is fed by the lowest rank on its node that may feed (a stage leader
+        of the first replica or a rank of another one), else by rank 0."""
+        from dapo_megatron.actor.weight_sync import feeder_roles
+
+        if self._node_ids is None:
+            self._node_ids = call_all([r.node_id.remote() for r in self.ranks], "an actor rank")
+        engine_nodes = call_all([engine.node_id.remote() for engine in engines], "a rollout engine")
+        _, valid = feeder_roles([(i["rank"], i["dp_rank"], i["tp_rank"], i["pp_rank"]) for i in self.infos])
+        plan: dict[int, list[int]] = {}
+        for index, node in enumerate(engine_nodes):
+            local = [rank for rank in sorted(valid) if self._node_ids[rank] == node]
+            plan.setdefault(local[0] if local else 0, []).append(index)
+        return plan
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """The full model in HF names (tests of small models)."""

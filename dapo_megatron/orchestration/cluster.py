@@ -103,6 +103,7 @@ class RayCluster:
             self._short_dir = None
 
     def _temp_dir(self) -> Path:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         wanted = (self.run_dir / "ray").resolve()
         if len(str(wanted)) + _RAY_SOCKET_SUFFIX <= _UNIX_PATH_MAX:
             wanted.mkdir(parents=True, exist_ok=True)

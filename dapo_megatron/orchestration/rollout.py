@@ -44,6 +44,10 @@ class EngineWorker:
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Generation]:
         return self.engine.generate(prompts, params, n)
 
+    def node_id(self) -> str:
+        """The Ray node this engine runs on (it is fed by an actor rank on the same node)."""
+        return ray.get_runtime_context().get_node_id()
+
     def begin_weight_update(self) -> None:
         self.engine.begin_weight_update()
 

@@ -3,7 +3,6 @@ transformers engine, the real loss, dynamic sampling, weight sync by handle, met
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -15,8 +14,7 @@ import yaml
 from dapo_megatron import cli
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.trainer import train
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.conftest import run_config
 
 # Everything the issue lists under "Metrics", as logged every step.
 STEP_METRICS = [
@@ -48,74 +46,6 @@ STEP_METRICS = [
     "throughput/train_tokens_per_s",
     "throughput/old_log_prob_tokens_per_s",
 ]
-
-
-def _demo_prepare():
-    spec = importlib.util.spec_from_file_location("demo_prepare", REPO / "examples/demo/prepare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A random tiny Qwen2 with the demo's tokenizer, and the demo's addition task."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    root = tmp_path_factory.mktemp("e2e")
-    prepare = _demo_prepare()
-    tokenizer = prepare.build_tokenizer(root / "model")
-    prepare.write_task(root / "data")
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(prepare.VOCAB),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
-    return root
-
-
-def run_config(root: Path, out: Path, **overrides) -> dict:
-    config = {
-        "model": {"hf_config": str(root / "model"), "make_vocab_size_divisible_by": 8},
-        "parallel": {"device": "cpu", "num_devices_per_node": 2, "tp_size": 2},
-        "rollout": {
-            "engine": "hf",
-            "n_samples_per_prompt": 4,
-            "temperature": 0.7,
-            "max_prompt_length": 8,
-            "max_response_length": 6,
-            "val_n_samples": 2,
-            "val_top_p": 1.0,
-        },
-        "algorithm": {"overlong_buffer_len": 2, "reward_fn": "tests.e2e.rewards:mixed_for_even_answers"},
-        "data": {
-            "train_files": [str(root / "data/train.jsonl")],
-            "val_files": [str(root / "data/val.jsonl")],
-            "train_batch_size": 4,
-            "gen_batch_size": 4,
-            "mini_batch_size": 8,
-        },
-        "trainer": {
-            "num_steps": 2,
-            "lr": 1e-3,
-            "lr_warmup_steps": 0,
-            "micro_batch_max_tokens": 64,
-            "output_dir": str(out),
-        },
-        "checkpoint": {"save_every": 2},
-    }
-    for dotted, value in overrides.items():
-        section, key = dotted.split(".")
-        config[section][key] = value
-    return config
 
 
 @pytest.mark.timeout(600)

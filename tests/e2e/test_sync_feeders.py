@@ -1,0 +1,60 @@
+"""Weight sync through Ray into two engines, each fed by its own actor rank (as on two
+nodes), at layouts where the second feeder is another replica or another stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dapo_megatron.actor.weight_sync import feeder_roles
+from dapo_megatron.config import config_from_dict
+from dapo_megatron.orchestration.actor_group import ActorGroup
+from dapo_megatron.orchestration.cluster import RayCluster
+from dapo_megatron.orchestration.rollout import RolloutWorkers
+from tests.e2e.conftest import run_config
+
+
+def test_feeder_roles():
+    # (rank, dp, tp, pp) of tp 2 x pp 2 x dp 2, megatron's order: tp fastest, then dp, then pp.
+    ranks = [(r, (r // 2) % 2, r % 2, r // 4) for r in range(8)]
+    leaders, valid = feeder_roles(ranks)
+    assert leaders == [0, 4]
+    assert valid == {0, 4, 2, 3, 6, 7}  # stage leaders of replica 0, and all of replica 1
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2)], ids=["second-replica", "second-stage"])
+def test_two_engines_fed_by_two_ranks_get_exactly_the_model(tiny_model, tmp_path, tp, pp):
+    from safetensors.torch import load_file
+
+    raw = run_config(tiny_model, tmp_path / "run", **{"rollout.num_engines": 2, "rollout.colocate": True})
+    raw["parallel"].update(tp_size=tp, pp_size=pp)
+    config = config_from_dict(raw, "feeders")
+    expected = load_file(str(tiny_model / "model/model.safetensors"))
+    with RayCluster(config.ray, tmp_path / "run", num_cpus=4):
+        actor, engines = ActorGroup(config), RolloutWorkers(config)
+        try:
+            actor.load_weights("hf", str(tiny_model / "model"))
+            # As if rank 1 and engine 1 were on a second node: rank 1 feeds engine 1.
+            stats = actor.sync_weights(engines.handles, 2**16, feeders={0: [0], 1: [1]})
+            served = [engines.served_weights(i) for i in range(2)]
+        finally:
+            engines.shutdown()
+            actor.shutdown()
+    assert stats.num_bytes == 2 * sum(t.nbytes for t in expected.values()) and stats.num_buckets > 4
+    for weights in served:
+        assert set(weights) == set(expected)
+        assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
+@pytest.mark.timeout(600)
+def test_a_tensor_parallel_peer_cannot_feed(tiny_model, tmp_path):
+    config = config_from_dict(run_config(tiny_model, tmp_path / "run", **{"rollout.colocate": True}), "feeders")
+    with RayCluster(config.ray, tmp_path / "run", num_cpus=4):
+        actor, engines = ActorGroup(config), RolloutWorkers(config)
+        try:
+            with pytest.raises(RuntimeError, match=r"ranks \[1\] cannot feed engines .* valid feeders are \[0\]"):
+                actor.sync_weights(engines.handles, 2**16, feeders={1: [0]})
+        finally:
+            engines.shutdown()
+            actor.shutdown()
