@@ -14,12 +14,12 @@ STAMP := $(VENV)/.dapo-installed
 .PHONY: test lint install clean demo
 
 test: $(STAMP)
-	$(PY) -m ruff check dapo_megatron tests benchmarks tools
+	$(PY) -m ruff check dapo_megatron tests benchmarks tools examples
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check dapo_megatron tests benchmarks tools
-	$(PY) -m ruff format --check dapo_megatron tests benchmarks tools
+	$(PY) -m ruff check dapo_megatron tests benchmarks tools examples
+	$(PY) -m ruff format --check dapo_megatron tests benchmarks tools examples
 
 install: $(STAMP)
 

@@ -217,6 +217,7 @@ def _collect_groups(
         "dynamic_sampling/batch_groups": len(kept) / r.n_samples_per_prompt,
         "dynamic_sampling/all_equal_share": all_equal / max(groups, 1),
         "throughput/generate_tokens_per_s": generated_tokens / max(times["generate"], 1e-9),
+        "throughput/reward_responses_per_s": groups * r.n_samples_per_prompt / max(times["reward"], 1e-9),
         "data/epoch": float(loader.epoch),
     }
     return kept, metrics

@@ -45,6 +45,8 @@ STEP_METRICS = [
     "throughput/generate_tokens_per_s",
     "throughput/train_tokens_per_s",
     "throughput/old_log_prob_tokens_per_s",
+    "throughput/reward_responses_per_s",
+    "sync/gb_per_s",
 ]
 
 
@@ -122,3 +124,6 @@ def test_dynamic_sampling_that_keeps_nothing_fails_naming_the_knobs(tiny_model, 
     assert "after 2 generation rounds (algorithm.max_num_gen_batches=2), 8 groups were generated and 0 kept" in err
     assert "data.gen_batch_size" in err
     assert not (tmp_path / "run" / "metrics.jsonl").read_text().strip()
+    import ray
+
+    assert not ray.is_initialized()
