@@ -68,7 +68,9 @@ def load_hf_weights(gpt, hf_dir: str | os.PathLike, shape, tp_rank: int, tp_size
                 key = {
                     "embedding.word_embeddings.weight": EMBEDDING,
                     "decoder.final_layernorm.weight": FINAL_NORM,
-                    "output_layer.weight": OUTPUT_LAYER,
+                    # Tied embeddings under pipeline parallelism: the last stage keeps its own
+                    # copy of the embedding as the output layer (megatron keeps them equal).
+                    "output_layer.weight": EMBEDDING if shape.tie_word_embeddings else OUTPUT_LAYER,
                 }[name]
                 layer = None
             full = to_megatron(key, [checkpoint.read(n) for n in hf_names_of(key, layer)], shape)

@@ -51,3 +51,33 @@ def test_weights_straight_from_hf_equal_the_converted_checkpoint(tmp_path, tp_si
         assert report["num_params"] >= 4 * 6 + 3
         assert report["unequal"] == []
         assert report["log_prob_max_diff"] == 0.0 and report["log_prob_min"] < -1.0
+
+
+@pytest.mark.parametrize(("tp_size", "pp_size"), [(1, 2), (2, 1)])
+def test_tied_weights_straight_from_hf_match_transformers(tmp_path, tp_size, pp_size):
+    """Tied embeddings: at pp > 1 the last stage's output layer is a copy of the embedding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(
+        vocab_size=120,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf_tied")
+    launch_local(trainer_worker.hf_log_probs, tp_size * pp_size, (str(tmp_path), tp_size, pp_size))
+    result = torch.load(tmp_path / f"hf_tied_tp{tp_size}_pp{pp_size}.pt")
+    with torch.no_grad():
+        logits = model(input_ids=result["tokens"]).logits.double()  # [batch, seq, vocab]
+    reference = torch.log_softmax(logits, dim=-1)[:, :-1].gather(-1, result["tokens"][:, 1:, None]).squeeze(-1)
+    mask = result["mask"][:, 1:].bool()
+    diff = (result["log_probs"][:, 1:].double() - reference)[mask].abs().max().item()
+    assert mask.sum() > 10 and diff < 1e-4, diff

@@ -56,3 +56,20 @@ def hf_against_converted(workdir: str, tp_size: int) -> None:
         "log_prob_min": float(lp_direct.min()),
     }
     Path(workdir, f"hf_load_tp{tp_size}_rank{info.rank}.json").write_text(json.dumps(report))
+
+
+def hf_log_probs(workdir: str, tp_size: int, pp_size: int) -> None:
+    """Log-probs of a fixed batch after loading the (tied) HF folder directly at (tp, pp)."""
+    cfg = actor_config(tp_size, pp_size, vocab_size=120)
+    cfg.model.tie_word_embeddings = True
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+        load_hf_model_weights(actor, os.path.join(workdir, "hf_tied"))
+        batch = make_batch(7, [5, 8, 2])
+        batch.tokens %= 120
+        log_probs, _ = actor.compute_log_probs(batch)
+    if info.rank == 0:
+        torch.save(
+            {"tokens": batch.tokens, "mask": batch.response_mask(), "log_probs": log_probs},
+            os.path.join(workdir, f"hf_tied_tp{tp_size}_pp{pp_size}.pt"),
+        )
