@@ -8,7 +8,7 @@ run joins that cluster and leaves it running: it was started by someone else.
 
 Unix socket paths are limited to 107 bytes; when the run folder is too deep for Ray's
 socket paths, the instance's folder is a short one under the system temp folder, linked
-from the run folder as ``ray`` and removed with the instance.
+from the run folder as ``ray`` while it runs and moved there (logs included) when it stops.
 """
 
 from __future__ import annotations
@@ -96,10 +96,15 @@ class RayCluster:
         if ray.is_initialized():
             ray.shutdown()
         if self._short_dir is not None:
+            # Keep the instance's logs with the run: the folder moves in place of its link.
             link = self.run_dir / "ray"
             if link.is_symlink():
                 link.unlink()
-            shutil.rmtree(self._short_dir, ignore_errors=True)
+            try:
+                shutil.move(str(self._short_dir), str(link))
+            except OSError as exc:
+                logger.warning("could not move Ray's folder %s into the run folder: %s", self._short_dir, exc)
+                shutil.rmtree(self._short_dir, ignore_errors=True)
             self._short_dir = None
 
     def _temp_dir(self) -> Path:
