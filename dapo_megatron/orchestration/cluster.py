@@ -120,5 +120,10 @@ class RayCluster:
                 link.unlink()
             else:
                 shutil.rmtree(link)
-        link.symlink_to(self._short_dir, target_is_directory=True)
+        try:
+            link.symlink_to(self._short_dir, target_is_directory=True)
+        except OSError:
+            shutil.rmtree(self._short_dir, ignore_errors=True)
+            self._short_dir = None
+            raise
         return self._short_dir
