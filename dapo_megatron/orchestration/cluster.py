@@ -45,6 +45,7 @@ class RayCluster:
         self.num_cpus = num_cpus
         self.started_here = False
         self._short_dir: Optional[Path] = None
+        self._link: Optional[Path] = None
 
     def __enter__(self) -> RayCluster:
         import ray
@@ -70,7 +71,7 @@ class RayCluster:
             "starting a local Ray instance (%d CPUs) in %s%s",
             self.num_cpus,
             temp_dir,
-            f" (linked from {self.run_dir / 'ray'}: the run folder's path is too long for Ray's sockets)"
+            f" (linked from {self._link}: the run folder's path is too long for Ray's sockets)"
             if self._short_dir
             else "",
         )
@@ -97,7 +98,7 @@ class RayCluster:
             ray.shutdown()
         if self._short_dir is not None:
             # Keep the instance's logs with the run: the folder moves in place of its link.
-            link = self.run_dir / "ray"
+            link = self._link
             if link.is_symlink():
                 link.unlink()
             try:
@@ -114,16 +115,17 @@ class RayCluster:
             wanted.mkdir(parents=True, exist_ok=True)
             return wanted
         self._short_dir = Path(tempfile.mkdtemp(prefix="dapo-ray-"))
+        # An earlier instance's folder stays untouched; this one gets a name of its own.
         link = self.run_dir / "ray"
-        if link.is_symlink() or link.exists():
-            if link.is_symlink():
-                link.unlink()
-            else:
-                shutil.rmtree(link)
+        if link.is_symlink() and not link.exists():
+            link.unlink()  # a dangling link of an instance that was killed
+        if link.exists() or link.is_symlink():
+            link = self.run_dir / f"ray-{os.getpid()}"
         try:
             link.symlink_to(self._short_dir, target_is_directory=True)
         except OSError:
             shutil.rmtree(self._short_dir, ignore_errors=True)
             self._short_dir = None
             raise
+        self._link = link
         return self._short_dir
