@@ -11,8 +11,9 @@ being ignored or discovered an hour into a job. A config is built in three steps
 
 Errors are :class:`ConfigError` and name where the value came from, the key, the value
 and the rule, e.g. ``run.yaml: parallel.tp_size=3 must divide model.num_attention_heads=40``.
-Validation explains and refuses; it never rewrites another setting. Nothing in this module
-imports the rest of the package.
+Validation explains and refuses; it never rewrites another setting. The generic typed-YAML
+machinery (strict building, overrides, ``ConfigError``) lives in :mod:`config_io`; nothing
+else of the package is imported.
 """
 
 from __future__ import annotations
@@ -21,20 +22,13 @@ import dataclasses
 import json
 import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 import yaml
 
-COMMAND_LINE = "command line"
-
-
-class ConfigError(ValueError):
-    """A config that cannot be run. The message names source, key, value and rule."""
-
+from dapo_megatron.config_io import COMMAND_LINE, ConfigError, apply_override, build_dataclass
 
 # --------------------------------------------------------------------------- sections
 
@@ -379,159 +373,13 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[list[str]
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: Optional[list[str]] = None) -> Config:
     """Build, override, resolve and validate a config from a nested dict (as parsed from YAML)."""
     sources: dict[str, str] = {}
-    config = _build(Config, raw, "", source, sources)
+    config = build_dataclass(Config, raw, "", source, sources)
     for override in overrides or []:
         apply_override(config, override)
         sources[override.split("=", 1)[0].strip()] = COMMAND_LINE
     resolve_model_shape(config.model, _Where(sources, source))
     validate(config, sources=sources, default_source=source)
     return config
-
-
-def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        return f"list of {_type_name(item)}"
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-class _Mismatch(Exception):
-    pass
-
-
-def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
-    """Return ``value`` as type ``tp`` or raise _Mismatch.
-
-    Strict: the only conversions are int -> float, a numeric string -> float (PyYAML
-    reads ``1e-6`` as a string) and, for command-line text, the raw text -> str.
-    """
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, from_text=from_text)
-            except _Mismatch:
-                continue
-        raise _Mismatch
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise _Mismatch
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if isinstance(value, str) and from_text:
-            value = [value]
-        if not isinstance(value, list):
-            raise _Mismatch
-        return [_coerce(v, item, from_text=from_text) for v in value]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                raise _Mismatch from None
-            if not math.isfinite(number):
-                raise _Mismatch
-            return number
-        raise _Mismatch
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _Mismatch
-    raise TypeError(f"unsupported config type {tp!r}")
-
-
-def _build(cls: type, raw: Any, prefix: str, source: str, sources: dict[str, str]) -> Any:
-    """Build dataclass ``cls`` from ``raw``, refusing unknown keys and wrong types."""
-    where = prefix.rstrip(".") or "the top level"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: {where} must be a mapping of keys, found {type(raw).__name__} {raw!r}")
-    hints = _type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        dotted = f"{prefix}{key}"
-        if key not in known:
-            raise ConfigError(f"{source}: unknown key {dotted!r}; known keys of {where}: {', '.join(known)}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value if value is not None else {}, f"{dotted}.", source, sources)
-            continue
-        try:
-            kwargs[key] = _coerce(value, tp, from_text=False)
-        except _Mismatch:
-            raise ConfigError(
-                f"{source}: {dotted}={value!r} has the wrong type: expected {_type_name(tp)}, "
-                f"found {type(value).__name__}"
-            ) from None
-        sources[dotted] = source
-    return cls(**kwargs)
-
-
-def apply_override(config: Config, override: str) -> None:
-    """Apply one ``section.key=value`` override in place, with type coercion."""
-    if "=" not in override:
-        raise ConfigError(f"{COMMAND_LINE}: override {override!r} must look like section.key=value")
-    dotted, text = (part.strip() for part in override.split("=", 1))
-    parts = dotted.split(".")
-    target: Any = config
-    for depth, part in enumerate(parts):
-        if not dataclasses.is_dataclass(target):
-            raise ConfigError(f"{COMMAND_LINE}: {dotted!r} is not a config key")
-        names = [f.name for f in dataclasses.fields(target)]
-        if part not in names:
-            where = ".".join(parts[:depth]) or "the top level"
-            raise ConfigError(f"{COMMAND_LINE}: unknown key {dotted!r}; known keys of {where}: {', '.join(names)}")
-        if depth < len(parts) - 1:
-            target = getattr(target, part)
-    name = parts[-1]
-    tp = _type_hints(type(target))[name]
-    if dataclasses.is_dataclass(tp):
-        raise ConfigError(
-            f"{COMMAND_LINE}: {dotted!r} is a section; override one of its keys, "
-            f"e.g. {dotted}.{dataclasses.fields(tp)[0].name}=..."
-        )
-    try:
-        parsed = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
-        parsed = text
-    try:
-        value = _coerce(parsed, tp, from_text=True)
-    except _Mismatch:
-        # A str field given text that YAML read as a number or bool keeps the text.
-        try:
-            value = _coerce(text, tp, from_text=True)
-        except _Mismatch:
-            raise ConfigError(
-                f"{COMMAND_LINE}: {dotted}={text} has the wrong type: expected {_type_name(tp)}"
-            ) from None
-    setattr(target, name, value)
 
 
 # --------------------------------------------------------------------------- model shape
@@ -666,10 +514,20 @@ def pipeline_layer_split(num_layers: int, parallel: ParallelConfig) -> list[int]
 def validate(config: Config, *, sources: Optional[dict[str, str]] = None, default_source: str = "config") -> None:
     """Check the rules that span keys and sections; raise ConfigError on the first broken one."""
     where = _Where(sources or {}, default_source)
-    m, p, r, a, d, t = (config.model, config.parallel, config.rollout, config.algorithm, config.data, config.trainer)
 
     def fail(keys: tuple[str, ...], message: str) -> None:
         raise ConfigError(f"{where(*keys)}: {message}")
+
+    _validate_ranges(config, fail)
+    _validate_layout(config, fail)
+    _validate_algorithm(config, fail)
+    _validate_batches(config, fail)
+    _validate_ray(config.ray, fail)
+
+
+def _validate_ranges(config: Config, fail) -> None:
+    """Counts and sizes that must be positive, fractions in range."""
+    m, p, r, d, t = config.model, config.parallel, config.rollout, config.data, config.trainer
 
     def positive(section: Any, prefix: str, *names: str) -> None:
         for name in names:
@@ -715,7 +573,10 @@ def validate(config: Config, *, sources: Optional[dict[str, str]] = None, defaul
     positive(d, "data", "train_batch_size", "gen_batch_size", "mini_batch_size")
     positive(t, "trainer", "num_steps", "micro_batch_max_tokens")
 
-    # Layout against the world size.
+
+def _validate_layout(config: Config, fail) -> None:
+    """The layout against the world size and against the model shape."""
+    m, p = config.model, config.parallel
     model_parallel = p.tp_size * p.pp_size * p.cp_size
     if p.dp_size is None:
         if p.world_size % model_parallel:
@@ -742,7 +603,6 @@ def validate(config: Config, *, sources: Optional[dict[str, str]] = None, defaul
             "spec uses torch norms, which do not support it); set parallel.sequence_parallel=false",
         )
 
-    # Layout against the model shape.
     if m.num_attention_heads % p.tp_size:
         fail(
             ("parallel.tp_size",),
@@ -795,7 +655,10 @@ def validate(config: Config, *, sources: Optional[dict[str, str]] = None, defaul
             f"model.transformer_impl={m.transformer_impl} / model.fp8={m.fp8} need a GPU but parallel.device=cpu",
         )
 
-    # Algorithm.
+
+def _validate_algorithm(config: Config, fail) -> None:
+    """The DAPO knobs."""
+    a, r = config.algorithm, config.rollout
     for name in ("clip_ratio_low", "clip_ratio_high"):
         value = getattr(a, name)
         if not 0 <= value < 1 and name == "clip_ratio_low":
@@ -823,7 +686,11 @@ def validate(config: Config, *, sources: Optional[dict[str, str]] = None, defaul
             f"algorithm.kl_loss_coef={a.kl_loss_coef} must be > 0 when algorithm.use_kl_loss=true",
         )
 
-    # Batches.
+
+def _validate_batches(config: Config, fail) -> None:
+    """Batch sizes against each other, the layout and the sequence lengths; the optimizer."""
+    p, r, a, d, t = config.parallel, config.rollout, config.algorithm, config.data, config.trainer
+    model_parallel = p.tp_size * p.pp_size * p.cp_size
     num_responses = d.train_batch_size * r.n_samples_per_prompt
     if num_responses % d.mini_batch_size:
         fail(
@@ -855,7 +722,6 @@ def validate(config: Config, *, sources: Optional[dict[str, str]] = None, defaul
         fail(("trainer.grad_clip",), f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     if t.lr_warmup_steps < 0:
         fail(("trainer.lr_warmup_steps",), f"trainer.lr_warmup_steps={t.lr_warmup_steps} must be >= 0")
-    _validate_ray(config.ray, fail)
 
 
 def _validate_ray(ray: RayConfig, fail) -> None:

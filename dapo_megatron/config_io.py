@@ -1,0 +1,170 @@
+"""Typed YAML for dataclasses: strict building, dotted overrides, and their errors.
+
+The machinery under :mod:`dapo_megatron.config`, kept apart from the sections it builds:
+a mapping becomes a dataclass only if every key is a field and every value has the
+field's type (the only conversions are int -> float, numeric text -> float, and, for
+command-line text, text -> str), and ``section.key=value`` overrides are parsed the same
+way. Errors name the source, the key, the value and the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+COMMAND_LINE = "command line"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be run. The message names source, key, value and rule."""
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return f"list of {_type_name(item)}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
+    """Return ``value`` as type ``tp`` or raise _Mismatch.
+
+    Strict: the only conversions are int -> float, a numeric string -> float (PyYAML
+    reads ``1e-6`` as a string) and, for command-line text, the raw text -> str.
+    """
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, from_text=from_text)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise _Mismatch
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str) and from_text:
+            value = [value]
+        if not isinstance(value, list):
+            raise _Mismatch
+        return [_coerce(v, item, from_text=from_text) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                raise _Mismatch from None
+            if not math.isfinite(number):
+                raise _Mismatch
+            return number
+        raise _Mismatch
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    raise TypeError(f"unsupported config type {tp!r}")
+
+
+def build_dataclass(cls: type, raw: Any, prefix: str, source: str, sources: dict[str, str]) -> Any:
+    """Build dataclass ``cls`` from ``raw``, refusing unknown keys and wrong types."""
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {where} must be a mapping of keys, found {type(raw).__name__} {raw!r}")
+    hints = _type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"{source}: unknown key {dotted!r}; known keys of {where}: {', '.join(known)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = build_dataclass(tp, value if value is not None else {}, f"{dotted}.", source, sources)
+            continue
+        try:
+            kwargs[key] = _coerce(value, tp, from_text=False)
+        except _Mismatch:
+            raise ConfigError(
+                f"{source}: {dotted}={value!r} has the wrong type: expected {_type_name(tp)}, "
+                f"found {type(value).__name__}"
+            ) from None
+        sources[dotted] = source
+    return cls(**kwargs)
+
+
+def apply_override(config: Any, override: str) -> None:
+    """Apply one ``section.key=value`` override to a dataclass tree in place, with type coercion."""
+    if "=" not in override:
+        raise ConfigError(f"{COMMAND_LINE}: override {override!r} must look like section.key=value")
+    dotted, text = (part.strip() for part in override.split("=", 1))
+    parts = dotted.split(".")
+    target: Any = config
+    for depth, part in enumerate(parts):
+        if not dataclasses.is_dataclass(target):
+            raise ConfigError(f"{COMMAND_LINE}: {dotted!r} is not a config key")
+        names = [f.name for f in dataclasses.fields(target)]
+        if part not in names:
+            where = ".".join(parts[:depth]) or "the top level"
+            raise ConfigError(f"{COMMAND_LINE}: unknown key {dotted!r}; known keys of {where}: {', '.join(names)}")
+        if depth < len(parts) - 1:
+            target = getattr(target, part)
+    name = parts[-1]
+    tp = _type_hints(type(target))[name]
+    if dataclasses.is_dataclass(tp):
+        raise ConfigError(
+            f"{COMMAND_LINE}: {dotted!r} is a section; override one of its keys, "
+            f"e.g. {dotted}.{dataclasses.fields(tp)[0].name}=..."
+        )
+    try:
+        parsed = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        parsed = text
+    try:
+        value = _coerce(parsed, tp, from_text=True)
+    except _Mismatch:
+        # A str field given text that YAML read as a number or bool keeps the text.
+        try:
+            value = _coerce(text, tp, from_text=True)
+        except _Mismatch:
+            raise ConfigError(
+                f"{COMMAND_LINE}: {dotted}={text} has the wrong type: expected {_type_name(tp)}"
+            ) from None
+    setattr(target, name, value)
