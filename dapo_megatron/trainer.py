@@ -282,9 +282,11 @@ def _load_initial_weights(actor: ActorGroup, config: Config) -> None:
     logger.warning("no checkpoint.load_dir and no safetensors next to model.hf_config: training from random weights")
 
 
-def _update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+def _update_metrics(all_updates: list[dict[str, float]]) -> dict[str, float]:
     """The step's DAPO updates as one set of metrics: token-weighted means, the largest
-    ratio, the last learning rate."""
+    ratio, the last learning rate. Mini-batches without loss tokens (all rows filtered)
+    made no update and are only counted."""
+    updates = [u for u in all_updates if not u.get("empty")] or all_updates
     tokens = sum(u["tokens"] for u in updates) or 1.0
 
     def mean(key: str) -> float:
@@ -300,6 +302,8 @@ def _update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
         "actor/approx_kl": mean("approx_kl"),
         "actor/ratio_mean": mean("ratio_mean"),
         "actor/ratio_max": max(u["ratio_max"] for u in updates),
+        "actor/log_ratio_clamped": mean("log_ratio_clamped"),
+        "actor/empty_mini_batches": float(sum(u.get("empty", 0.0) for u in all_updates)),
         "actor/first_update_ratio_max": updates[0]["ratio_max"],
         "actor/grad_norm": sum(u["grad_norm"] for u in updates) / len(updates),
         "actor/lr": updates[-1]["lr"],

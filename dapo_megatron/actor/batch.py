@@ -58,6 +58,37 @@ class PolicyBatch:
             raise ValueError("every row needs at least one prompt token (the first token is never predicted)")
         if batch and int((self.prompt_lengths + self.response_lengths).max()) > seq:
             raise ValueError(f"prompt + response lengths exceed the token grid's {seq} columns")
+        if self.loss_mask is not None and batch:
+            # A one outside the response would silently change the token mean's denominator.
+            outside = (self.loss_mask != 0) & (self._response_region() == 0)
+            if bool(outside.any()):
+                row, column = (int(i) for i in outside.nonzero()[0])
+                raise ValueError(
+                    f"loss_mask is nonzero outside the response at row {row}, column {column} (the response of that "
+                    f"row spans columns {int(self.prompt_lengths[row])}.."
+                    f"{int(self.prompt_lengths[row] + self.response_lengths[row]) - 1}); only response tokens can "
+                    "count in the loss"
+                )
+
+    def _response_region(self) -> torch.Tensor:
+        positions = torch.arange(self.tokens.shape[1]).unsqueeze(0)
+        start = self.prompt_lengths.unsqueeze(1)
+        return ((positions >= start) & (positions < start + self.response_lengths.unsqueeze(1))).float()
+
+    def invalid_target_ids(self, vocab_size: int) -> torch.Tensor:
+        """The loss tokens' ids outside ``[0, vocab_size)``, in row order."""
+        targets = self.tokens[self.response_mask().bool()]
+        return targets[(targets < 0) | (targets >= vocab_size)]
+
+    def check_target_ids(self, vocab_size: int) -> None:
+        """Refuse a loss token whose id is outside ``[0, vocab_size)``: it would get a
+        finite log-prob from a padded (or nonexistent) vocabulary row."""
+        bad = self.invalid_target_ids(vocab_size)
+        if bad.numel():
+            raise ValueError(
+                f"token id {int(bad[0])} is a response token but the vocabulary has {vocab_size} ids "
+                f"(0..{vocab_size - 1}); {bad.numel()} such token(s) in the batch"
+            )
 
     @property
     def num_rows(self) -> int:
@@ -73,9 +104,7 @@ class PolicyBatch:
         """``[batch, seq]`` float mask of the tokens that count in the loss."""
         if self.loss_mask is not None:
             return self.loss_mask.float()
-        positions = torch.arange(self.tokens.shape[1]).unsqueeze(0)
-        start = self.prompt_lengths.unsqueeze(1)
-        return ((positions >= start) & (positions < start + self.response_lengths.unsqueeze(1))).float()
+        return self._response_region()
 
     def select(self, rows: torch.Tensor | list[int]) -> PolicyBatch:
         """The rows ``rows``, in that order."""

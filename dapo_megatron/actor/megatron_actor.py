@@ -45,6 +45,7 @@ _SUM_KEYS = (
     "clip_dual_sum",
     "kl_sum",
     "ratio_sum",
+    "clamped_sum",
     "num_tokens",
 )
 
@@ -241,6 +242,7 @@ class MegatronActor:
 
         Returns ``[batch, seq]`` fp32 grids (zero outside the loss tokens) on every rank.
         """
+        batch.check_target_ids(self.model_config.vocab_size)
         self.ddp.eval()
         micro = self._micro_batches(batch)
 
@@ -283,26 +285,53 @@ class MegatronActor:
         on-policy. Returns each update's metrics (equal
         on every rank): ``loss`` (the global token mean), ``entropy``, ``mean_prob`` of the
         generated tokens, ``pg_clipfrac_low/high/dual``, ``approx_kl``, ``ratio_mean``,
-        ``ratio_max``, ``grad_norm``, ``lr``, ``tokens`` and ``num_micro_batches``.
+        ``ratio_max``, ``log_ratio_clamped``, ``grad_norm``, ``lr``, ``tokens`` and
+        ``num_micro_batches``; a mini-batch without loss tokens makes no update and reports
+        ``empty`` = 1 (checked before the scheduler or the step counter move).
         """
         if batch.advantages is None or batch.old_log_probs is None:
             raise ValueError("train() needs a batch with advantages and old_log_probs")
-        self.scheduler.step(1)
-        self.rollout_step += 1
         minis = batch.split(num_mini_batches)
-        # One all-reduce, before any micro-batch: loss tokens (and, for the seq-mean
-        # ablations, sequences with loss tokens) of every global mini-batch.
+        vocab_size = self.model_config.vocab_size
+        # One all-reduce, before any micro-batch and before any state changes: loss tokens
+        # (and, for the seq-mean ablations, sequences with loss tokens) of every global
+        # mini-batch, and the loss tokens outside the vocabulary on any rank (so that
+        # every rank refuses the batch together instead of one rank leaving the others
+        # waiting in a collective).
         counts = torch.tensor(
-            [[float(m.response_mask().sum()), float((m.response_mask().sum(-1) > 0).sum())] for m in minis],
+            [[float(m.response_mask().sum()), float((m.response_mask().sum(-1) > 0).sum())] for m in minis]
+            + [[float(batch.invalid_target_ids(vocab_size).numel()), 0.0]],
             dtype=torch.float64,
             device=self.device,
         )
         dist.all_reduce(counts, group=self.dp_group)
+        counts, invalid = counts[:-1], int(counts[-1, 0])
+        if invalid:
+            batch.check_target_ids(vocab_size)  # names the id on the rank that has it
+            raise ValueError(
+                f"{invalid} response token id(s) on another data-parallel rank are outside the vocabulary of "
+                f"{vocab_size} ids"
+            )
+        self.scheduler.step(1)
+        self.rollout_step += 1
         metrics = []
         for mini, (num_tokens, num_seqs) in zip(minis, counts.tolist()):
             if num_tokens <= 0:
-                raise ValueError("a mini-batch has no loss tokens on any data-parallel rank")
+                # Every row filtered out (e.g. all truncated under overlong filtering) on
+                # every rank: no update; counted, and the step goes on.
+                metrics.append(self._empty_update())
+                continue
             metrics.append(self._update(mini, num_tokens, num_seqs, temperature))
+        return metrics
+
+    def _empty_update(self) -> dict[str, float]:
+        """The metrics of a mini-batch that had no loss tokens (no optimizer step)."""
+        metrics = dict.fromkeys(
+            ("loss", "entropy", "mean_prob", "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac_dual"), 0.0
+        )
+        metrics.update(approx_kl=0.0, ratio_mean=0.0, ratio_max=0.0, log_ratio_clamped=0.0, tokens=0.0)
+        metrics.update(grad_norm=float("nan"), update_skipped=1.0, num_micro_batches=0.0, empty=1.0)
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
 
     def _update(
@@ -340,6 +369,7 @@ class MegatronActor:
                     "clip_dual_sum": m["pg_clipfrac_dual"].to(torch.float64) * n,
                     "kl_sum": m["approx_kl"].to(torch.float64) * n,
                     "ratio_sum": m["ratio_mean"].to(torch.float64) * n,
+                    "clamped_sum": m["log_ratio_clamped"].to(torch.float64) * n,
                     "num_tokens": n,
                     "ratio_max": m["ratio_max"].to(torch.float64),
                 }
@@ -372,6 +402,7 @@ class MegatronActor:
             "approx_kl": values["kl_sum"] / tokens,
             "ratio_mean": values["ratio_sum"] / tokens,
             "ratio_max": float(totals[-1]),
+            "log_ratio_clamped": values["clamped_sum"] / tokens,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_skipped": 0.0 if update_ok else 1.0,
             "lr": float(self.optimizer.param_groups[0]["lr"]),

@@ -21,9 +21,11 @@ from dapo_megatron.algo._checks import require_2d, require_finite_where, require
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
-# exp() of a log-ratio beyond this overflows float32 soon after; such a token is clipped
-# anyway (its ratio is far outside any clip range), so bounding it changes no gradient
-# that is not already zero, and keeps inf out of the loss.
+# exp() of a log-ratio beyond this overflows float32 soon after. Bounding it keeps inf
+# out of the loss, and gives a token beyond the bound zero gradient: for A > 0 (ratio too
+# high) and A < 0 (ratio too low) the clip already did, but a token with A < 0 and a
+# ratio above e^20 (no dual clip) or with A > 0 and a ratio below e^-20 loses a gradient
+# the unclipped objective would have. Such tokens are counted in ``log_ratio_clamped``.
 _MAX_ABS_LOG_RATIO = 20.0
 
 
@@ -65,7 +67,9 @@ def dapo_policy_loss(
         response tokens: ``pg_clipfrac_low`` / ``pg_clipfrac_high`` (fraction of tokens whose
         gradient is cut by the lower / upper bound), ``pg_clipfrac_dual``, ``approx_kl``
         (the k3 estimate of KL(old || new), ``r - 1 - log r``), ``ratio_mean``,
-        ``ratio_max`` and ``num_tokens``.
+        ``ratio_max``, ``log_ratio_clamped`` (fraction of tokens whose |log-ratio| exceeds 20
+        and is bounded there, which zeroes their gradient; see ``_MAX_ABS_LOG_RATIO``) and
+        ``num_tokens``.
     """
     require_2d("log_probs", log_probs)
     require_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, response_mask=response_mask)
@@ -97,8 +101,8 @@ def dapo_policy_loss(
 
     # Padding may hold anything (even NaN): zero it before it meets a product.
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    log_ratio = torch.where(mask, log_probs - old_log_probs.to(log_probs.dtype), zero)
-    log_ratio = log_ratio.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
+    raw_log_ratio = torch.where(mask, log_probs - old_log_probs.to(log_probs.dtype), zero)
+    log_ratio = raw_log_ratio.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
     adv = torch.where(mask, advantages.to(log_probs.dtype), zero)
     ratio = torch.exp(log_ratio)  # [batch, seq]
 
@@ -137,6 +141,7 @@ def dapo_policy_loss(
             "approx_kl": ((ratio - 1.0 - log_ratio) * maskf).sum() / count,
             "ratio_mean": (ratio * maskf).sum() / count,
             "ratio_max": torch.where(mask, ratio, zero).max() if bool(mask.any()) else zero.clone(),
+            "log_ratio_clamped": (mask & (raw_log_ratio.detach().abs() > _MAX_ABS_LOG_RATIO)).sum() / count,
             "num_tokens": num_tokens.detach(),
         }
     return loss, metrics

@@ -45,7 +45,9 @@ def test_log_probs_and_entropy_do_not_depend_on_layout(init_dir):
 def test_vocab_parallel_matches_float64_reference_at_tp2(init_dir):
     if not list(init_dir.glob("vocab_reference_rank*.json")):
         launch_local(actor_worker.log_probs_at_layout, 2, (str(init_dir), 2, 1))
-    for path in sorted(init_dir.glob("vocab_reference_rank*.json")):
+    paths = sorted(init_dir.glob("vocab_reference_rank*.json"))
+    assert len(paths) == 2  # one per tensor-parallel rank; a loop over none would pass
+    for path in paths:
         errors = json.loads(path.read_text())
         assert errors["padded_grad_nonzero"] == 0, "padded vocabulary rows received gradient"
         for key in ("log_probs", "entropy", "grad_hidden", "grad_weight"):

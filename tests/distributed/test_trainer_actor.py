@@ -81,3 +81,18 @@ def test_tied_weights_straight_from_hf_match_transformers(tmp_path, tp_size, pp_
     mask = result["mask"][:, 1:].bool()
     diff = (result["log_probs"][:, 1:].double() - reference)[mask].abs().max().item()
     assert mask.sum() > 10 and diff < 1e-4, diff
+
+
+def test_a_mini_batch_without_loss_tokens_is_skipped_and_bad_ids_refused(tmp_path):
+    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+    launch_local(trainer_worker.empty_mini_batch, 2, (str(tmp_path),))
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("empty_rank*.json"))]
+    assert len(reports) == 2
+    for report in reports:
+        assert report["empty"] == [0.0, 1.0] and report["steps"] == 1
+        assert report["unequal"] == [] and report["loss"][0] == report["loss"][1] != 0
+        assert report["state_kept"]
+    # Every rank refuses together: the one holding the id names it, the other says where it is.
+    refusals = sorted(report["refused"] for report in reports)
+    assert "1 response token id(s) on another data-parallel rank are outside the vocabulary of 128" in refusals[0]
+    assert "token id 10000 is a response token but the vocabulary has 128 ids" in refusals[1]

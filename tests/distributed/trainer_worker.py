@@ -73,3 +73,40 @@ def hf_log_probs(workdir: str, tp_size: int, pp_size: int) -> None:
             {"tokens": batch.tokens, "mask": batch.response_mask(), "log_probs": log_probs},
             os.path.join(workdir, f"hf_tied_tp{tp_size}_pp{pp_size}.pt"),
         )
+
+
+def empty_mini_batch(workdir: str) -> None:
+    """dp 2: a step whose second mini-batch has no loss tokens equals a step on the first
+    mini-batch alone; a bad target id is refused before any state moves."""
+    from dapo_megatron.actor.batch import shard_for_data_parallel
+
+    cfg = actor_config(1, 1, dp_size=2)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        full = make_batch(3, [5, 7, 2, 9, 4, 6, 8, 3])
+        full.loss_mask = full.response_mask()
+        full.loss_mask[4:] = 0  # the second mini-batch: every row filtered out
+        first = full.select([0, 1, 2, 3])
+        weights, metrics = [], []
+        for batch, minis in ((full, 2), (first, 1)):
+            actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+            load_model_weights(actor, os.path.join(workdir, "init"))
+            metrics.append(actor.train(shard_for_data_parallel(batch, info.dp_rank, 2, minis), minis))
+            weights.append({n: p.detach().clone() for n, p in actor.gpt.named_parameters()})
+        bad = first.select([0, 1, 2, 3])
+        bad.tokens[0, int(bad.prompt_lengths[0])] = 10_000
+        step, lr = actor.rollout_step, actor.optimizer.param_groups[0]["lr"]
+        try:
+            actor.train(shard_for_data_parallel(bad, info.dp_rank, 2, 1), 1)
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        report = {
+            "empty": [m.get("empty", 0.0) for m in metrics[0]],
+            "steps": actor.rollout_step,
+            "unequal": [n for n in weights[0] if not torch.equal(weights[0][n], weights[1][n])],
+            "moved": sum(not torch.equal(weights[0][n], weights[1][n]) for n in weights[0]),
+            "loss": [metrics[0][0]["loss"], metrics[1][0]["loss"]],
+            "refused": refused,
+            "state_kept": actor.rollout_step == step and actor.optimizer.param_groups[0]["lr"] == lr,
+        }
+    Path(workdir, f"empty_rank{info.rank}.json").write_text(json.dumps(report))

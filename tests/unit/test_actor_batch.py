@@ -77,3 +77,27 @@ def test_batch_validation():
         )
     with pytest.raises(ValueError, match="cannot split 3 rows into 2 equal mini-batches"):
         _batch([1, 1, 1], [1, 1, 1]).split(2)
+
+
+@pytest.mark.parametrize(("row", "column"), [(0, 0), (0, 1), (1, 3), (1, 4)])
+def test_loss_mask_outside_the_response_is_refused(row, column):
+    batch = _batch([2, 1], [3, 1])  # responses: row 0 columns 2..4, row 1 column 1
+    mask = batch.response_mask().clone()
+    mask[row, column] = 1.0
+    with pytest.raises(ValueError, match=f"outside the response at row {row}, column {column}"):
+        PolicyBatch(batch.tokens, batch.prompt_lengths, batch.response_lengths, loss_mask=mask)
+    # Inside the response any subset is fine (overlong filtering zeroes whole rows).
+    inside = batch.response_mask().clone()
+    inside[0] = 0
+    assert PolicyBatch(batch.tokens, batch.prompt_lengths, batch.response_lengths, loss_mask=inside).num_rows == 2
+
+
+def test_target_ids_outside_the_vocabulary_are_refused():
+    batch = _batch([2, 1], [3, 1])  # tokens 0..9; response tokens 2, 3, 4 and 6
+    batch.check_target_ids(7)
+    with pytest.raises(ValueError, match=r"token id 6 is a response token but the vocabulary has 6 ids \(0..5\)"):
+        batch.check_target_ids(6)
+    # Prompt and padding ids do not count.
+    batch.tokens[0, 0] = 10_000
+    batch.tokens[1, 4] = -5
+    batch.check_target_ids(7)

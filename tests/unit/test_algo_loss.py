@@ -205,3 +205,18 @@ def test_overlong_filter_mask_drops_truncated_rows():
     torch.testing.assert_close(filtered, torch.tensor([[1.0] * 4, [0.0] * 4, [1.0] * 4]))
     with pytest.raises(ValueError, match=r"got \(3, 4\) and \(2,\)"):
         overlong_filter_mask(mask, torch.tensor([True, False]))
+
+
+def test_tokens_beyond_the_log_ratio_bound_are_counted_and_get_no_gradient():
+    # Token 0: A < 0 and a ratio of e^25 (no dual clip): the unclipped objective has a
+    # gradient there, the bounded one does not. Token 1: an ordinary token.
+    old = torch.tensor([[-30.0, -1.0]])
+    new = torch.tensor([[-5.0, -1.1]], requires_grad=True)
+    mask = torch.ones(1, 2)
+    loss, metrics = dapo_policy_loss(new, old, torch.tensor([-1.0]), mask)
+    loss.backward()
+    assert new.grad[0, 0] == 0 and new.grad[0, 1] != 0
+    assert float(metrics["log_ratio_clamped"]) == 0.5
+    assert float(metrics["pg_clipfrac_low"]) == 0 and float(metrics["pg_clipfrac_high"]) == 0
+    _, inside = dapo_policy_loss(new.detach(), old.clamp(min=-20.0), torch.tensor([-1.0]), mask)
+    assert float(inside["log_ratio_clamped"]) == 0
