@@ -343,8 +343,18 @@ class ActorGroup:
         engine is fed by a rank on its own node (:meth:`plan_feeders`). Separate engines
         are all fed by rank 0, which hosts their weight-update group.
         """
+        from dapo_megatron.actor.weight_sync import feeder_roles
+
         if feeders is None:
             feeders = self.plan_feeders(engines) if self.config.rollout.colocate else {0: list(range(len(engines)))}
+        _, valid = feeder_roles([(i["rank"], i["dp_rank"], i["tp_rank"], i["pp_rank"]) for i in self.infos])
+        if set(feeders) - valid:
+            raise ValueError(
+                f"ranks {sorted(set(feeders) - valid)} cannot feed engines (tensor-parallel peers in the first "
+                f"data-parallel replica); valid feeders are {sorted(valid)}"
+            )
+        if not self.config.rollout.colocate and set(feeders) != {0}:
+            raise ValueError("separate engines (rollout.colocate=false) are fed by rank 0, which hosts their group")
         ranks = tuple(sorted(feeders))
         results = call_all(
             [

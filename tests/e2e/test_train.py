@@ -63,6 +63,9 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate):
         seen["engine"] = engines.served_weights(0)
         seen["health"] = engines.health()
         seen["rank_pids"] = [info["pid"] for info in actor.infos]
+        # At tp 2, rank 1 is a tensor-parallel peer in the first replica: it may not feed.
+        with pytest.raises(ValueError, match=r"ranks \[1\] cannot feed engines .* valid feeders are \[0\]"):
+            actor.sync_weights(engines.handles, 2**16, feeders={1: [0]})
 
     run_dir = tmp_path / "run"
     # Colocated engines get buckets by shared-memory handle; separate ones by broadcast.
