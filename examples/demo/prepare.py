@@ -135,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     if stamp.exists() and json.loads(stamp.read_text()) == RECIPE and (data / "val.jsonl").exists():
         print(f"demo: base model and data already in {args.out}")
         return 0
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     start = time.perf_counter()
     base.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(base)
