@@ -418,6 +418,14 @@ class _Where:
         return self.default
 
 
+def hf_model_folder(hf_config: Optional[str | os.PathLike]) -> Optional[Path]:
+    """The folder ``model.hf_config`` names (it may name the folder or its config.json)."""
+    if hf_config is None:
+        return None
+    path = Path(hf_config)
+    return path if path.is_dir() else path.parent
+
+
 def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
     """Read the model shape from an HF Qwen2 ``config.json`` (file or folder).
 

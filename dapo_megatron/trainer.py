@@ -29,7 +29,7 @@ from dapo_megatron.actor.batch import PolicyBatch
 from dapo_megatron.algo import DynamicSamplingAccumulator
 from dapo_megatron.algo.metrics import rollout_consistency
 from dapo_megatron.algo.rewards.pool import RewardPool
-from dapo_megatron.config import Config, ConfigError
+from dapo_megatron.config import Config, ConfigError, hf_model_folder
 from dapo_megatron.data import PromptDataset, PromptLoader, load_tokenizer
 from dapo_megatron.experience import (
     Sample,
@@ -106,9 +106,12 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
         engines = RolloutWorkers(config)
         stack.callback(engines.shutdown)
 
+        def sync_engines():
+            return actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20, engines.num_update_ranks)
+
         _load_initial_weights(actor, config)
         # The engines start from the actor's weights: both sides hold the same policy.
-        actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20, engines.num_update_ranks)
+        sync_engines()
 
         def validate(step: int) -> Optional[float]:
             if val_data is None:
@@ -142,7 +145,7 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
             if r.colocate:
                 engines.resume_memory()
             with _timed(times, "sync"):
-                sync = actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20, engines.num_update_ranks)
+                sync = sync_engines()
             times["step"] = time.perf_counter() - step_start
 
             # 7. Metrics, checkpoint, validation.
@@ -189,19 +192,14 @@ def _collect_groups(
     accumulator = DynamicSamplingAccumulator(
         d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
     )
-    times.setdefault("generate", 0.0)
-    times.setdefault("reward", 0.0)
     generated_tokens = all_equal = groups = 0
     round_index = 0
     while not accumulator.is_full:
         prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
         params = replace(sampling, seed=engine_seed(r.seed, step, round_index))
-        with _timed(times, "generate"):
-            generations = engines.generate([list(p.token_ids) for p in prompts], params, r.n_samples_per_prompt)
-        samples = samples_from_generations(prompts, generations, round_index, tokenizer)
-        with _timed(times, "reward"):
-            results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
-            apply_rewards(samples, results, a, r.max_response_length)
+        samples = _generate_and_score(
+            engines, rewards, prompts, params, r.n_samples_per_prompt, round_index, config, tokenizer, times
+        )
         generated_tokens += sum(len(s.response_ids) for s in samples)
         outcomes: dict = {}
         for sample in samples:
@@ -221,6 +219,28 @@ def _collect_groups(
         "data/epoch": float(loader.epoch),
     }
     return kept, metrics
+
+
+def _generate_and_score(
+    engines: RolloutWorkers,
+    rewards: RewardPool,
+    prompts: list,
+    params: SamplingParams,
+    n: int,
+    round_index: int,
+    config: Config,
+    tokenizer,
+    times: dict[str, float],
+) -> list[Sample]:
+    """``n`` responses per prompt, scored with the overlong punishment; the seconds of
+    both go to ``times['generate']`` and ``times['reward']``."""
+    with _timed(times, "generate"):
+        generations = engines.generate([list(p.token_ids) for p in prompts], params, n)
+    samples = samples_from_generations(prompts, generations, round_index, tokenizer)
+    with _timed(times, "reward"):
+        results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
+        apply_rewards(samples, results, config.algorithm, config.rollout.max_response_length)
+    return samples
 
 
 def _step_metrics(
@@ -252,12 +272,9 @@ def _validate(
 ) -> dict[str, float]:
     """avg@k and pass@k of the current policy on the validation prompts."""
     start = time.perf_counter()
-    r = config.rollout
-    generations = engines.generate([list(p.token_ids) for p in prompts], sampling, r.val_n_samples)
-    samples = samples_from_generations(prompts, generations, -1, tokenizer)
-    results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
-    apply_rewards(samples, results, config.algorithm, r.max_response_length)
-    return {**validation_metrics(samples, r.val_n_samples), "time/validate": time.perf_counter() - start}
+    n = config.rollout.val_n_samples
+    samples = _generate_and_score(engines, rewards, prompts, sampling, n, -1, config, tokenizer, {})
+    return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}
 
 
 def _load_initial_weights(actor: ActorGroup, config: Config) -> None:
@@ -273,9 +290,8 @@ def _load_initial_weights(actor: ActorGroup, config: Config) -> None:
         logger.info("initial weights from the Megatron checkpoint %s", path)
         actor.load_weights("megatron", str(path))
         return
-    hf = config.model.hf_config
-    folder = Path(hf) if hf and Path(hf).is_dir() else (Path(hf).parent if hf else None)
-    if folder is not None and (any(folder.glob("*.safetensors"))):
+    folder = hf_model_folder(config.model.hf_config)
+    if folder is not None and any(folder.glob("*.safetensors")):
         logger.info("initial weights from the HF checkpoint %s (converted on load)", folder)
         actor.load_weights("hf", str(folder))
         return

@@ -156,6 +156,16 @@ def feeder_roles(ranks: list[tuple[int, int, int, int]]) -> tuple[list[int], set
     return leaders, valid
 
 
+def check_feeders(feeders, valid: set[int]) -> None:
+    """Refuse feeder ranks outside ``valid`` (see :func:`feeder_roles`), naming them."""
+    invalid = sorted(set(feeders) - valid)
+    if invalid:
+        raise ValueError(
+            f"ranks {invalid} cannot feed engines (tensor-parallel peers in the first data-parallel replica); "
+            f"valid feeders are {sorted(valid)}"
+        )
+
+
 def _roles(actor) -> tuple[list[int], set[int]]:
     if getattr(actor, "_sync_roles", None) is None:
         runtime = actor.runtime
@@ -185,11 +195,7 @@ def sync_weights(
     rank = dist.get_rank()
     feeders = tuple(sorted(set(feeders)))
     leaders, valid = _roles(actor)
-    if set(feeders) - valid:
-        raise ValueError(
-            f"sync_weights: ranks {sorted(set(feeders) - valid)} cannot feed engines (tensor-parallel peers in "
-            f"the first data-parallel replica); valid feeders are {sorted(valid)}"
-        )
+    check_feeders(feeders, valid)
     others = [f for f in feeders if f != rank]
     stats = None
     error: Optional[BaseException] = None

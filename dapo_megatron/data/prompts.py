@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from dapo_megatron.config import ConfigError, DataConfig
+from dapo_megatron.config import ConfigError, DataConfig, hf_model_folder
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ def load_tokenizer(data: DataConfig, hf_config: Optional[str]):
 
     folder = data.tokenizer
     if folder is None and hf_config is not None:
-        folder = hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config)
+        folder = str(hf_model_folder(hf_config))
     if folder is None:
         raise ConfigError("data.tokenizer is unset and model.hf_config names no folder; set data.tokenizer")
     try:
@@ -148,16 +147,17 @@ class PromptDataset:
             distinct_in_file: set[tuple[str, str]] = set()
             for number, row in enumerate(rows):
                 where = f"{path}: row {number}"
-                for column in (data.prompt_key, data.answer_key):
+                values = {}
+                for setting, column in (("prompt_key", data.prompt_key), ("answer_key", data.answer_key)):
                     try:
-                        _lookup(row, column)
+                        values[setting] = _lookup(row, column)
                     except KeyError:
                         raise DataError(
-                            f"{where}: column {column!r} is missing (data.{'prompt_key' if column == data.prompt_key else 'answer_key'}"
-                            f"={column!r}); found columns {sorted(row)}"
+                            f"{where}: column {column!r} is missing (data.{setting}={column!r}); "
+                            f"found columns {sorted(row)}"
                         ) from None
-                messages = _messages(_lookup(row, data.prompt_key), f"{where}: column {data.prompt_key!r}")
-                answer = _lookup(row, data.answer_key)
+                messages = _messages(values["prompt_key"], f"{where}: column {data.prompt_key!r}")
+                answer = values["answer_key"]
                 if answer is None or isinstance(answer, (dict, list)):
                     raise DataError(f"{where}: column {data.answer_key!r} must hold an answer, found {answer!r:.80}")
                 try:

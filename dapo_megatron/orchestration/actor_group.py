@@ -33,8 +33,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dapo_megatron.actor.batch import PolicyBatch
+from dapo_megatron.actor.weight_sync import check_feeders, feeder_roles
 from dapo_megatron.config import Config
-from dapo_megatron.orchestration.calls import call_all, stop_all
+from dapo_megatron.orchestration.calls import call_all, cause_of, stop_all
 from dapo_megatron.rollout.engine import SyncStats, WeightSyncError, with_last_flag
 
 logger = logging.getLogger(__name__)
@@ -42,20 +43,32 @@ logger = logging.getLogger(__name__)
 _UPDATE_GROUP = "dapo_weight_update"
 
 
+def _update_session(engines: list, what: str, stream) -> SyncStats:
+    """One weight update of every engine: open the session, ``stream()`` the buckets into
+    them, close it; on any failure abort it everywhere and raise WeightSyncError."""
+    ray.get([engine.begin_weight_update.remote() for engine in engines])
+    try:
+        stats = stream()
+        ray.get([engine.end_weight_update.remote() for engine in engines])
+    except Exception as exc:
+        ray.get([engine.abort_weight_update.remote() for engine in engines])
+        raise WeightSyncError(f"{what} into the rollout engines failed: {cause_of(exc)}") from exc
+    return stats
+
+
 class _EngineFanout:
     """Looks like one engine to :func:`sync_weights`; feeds every engine by handle, in parallel."""
 
-    def __init__(self, engines: list, device: torch.device, buffers: list) -> None:
+    def __init__(self, engines: list, buffers: list) -> None:
         self.engines = engines
-        self.device = device
         self.buffers = buffers  # two SharedBucketBuffers, kept by the rank across syncs
 
     def update_weights(self, buckets) -> SyncStats:
         start = time.perf_counter()
-        ray.get([engine.begin_weight_update.remote() for engine in self.engines])
-        pending: list = []
-        num_bytes = num_tensors = num_buckets = 0
-        try:
+
+        def stream() -> SyncStats:
+            pending: list = []
+            num_bytes = num_tensors = num_buckets = 0
             for index, (bucket, last) in enumerate(with_last_flag(buckets)):
                 # Pack this bucket into the buffer the engines finished with two buckets
                 # ago, while they may still be copying the previous one out of the other.
@@ -66,12 +79,9 @@ class _EngineFanout:
                 num_tensors += len(bucket.tensors)
                 num_buckets += 1
             ray.get(pending)
-            ray.get([engine.end_weight_update.remote() for engine in self.engines])
-        except Exception as exc:
-            ray.get([engine.abort_weight_update.remote() for engine in self.engines])
-            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause else exc
-            raise WeightSyncError(f"weight sync into the rollout engines failed: {cause}") from exc
-        return SyncStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)
+            return SyncStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)
+
+        return _update_session(self.engines, "weight sync", stream)
 
 
 class _Waiter:
@@ -94,21 +104,16 @@ class _BroadcastFanout:
     def update_weights(self, buckets) -> SyncStats:
         from dapo_megatron.actor.broadcast_sync import broadcast_buckets
 
-        ray.get([engine.begin_weight_update.remote() for engine in self.engines])
-
         def announce(names, dtypes, shapes, last):
             return _Waiter(
                 [e.receive_broadcast_bucket.remote(names, dtypes, shapes, self.group_name, last) for e in self.engines]
             )
 
-        try:
-            stats = broadcast_buckets(buckets, self.group, announce, device=self.device)
-            ray.get([engine.end_weight_update.remote() for engine in self.engines])
-        except Exception as exc:
-            ray.get([engine.abort_weight_update.remote() for engine in self.engines])
-            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause else exc
-            raise WeightSyncError(f"weight broadcast into the rollout engines failed: {cause}") from exc
-        return stats
+        return _update_session(
+            self.engines,
+            "weight broadcast",
+            lambda: broadcast_buckets(buckets, self.group, announce, device=self.device),
+        )
 
 
 @ray.remote
@@ -211,7 +216,7 @@ class ActorRank:
         if engines and self.config.rollout.colocate:
             if not self._buffers:
                 self._buffers = [SharedBucketBuffer(self.actor.device) for _ in range(2)]
-            fanout = _EngineFanout(engines, self.actor.device, self._buffers)
+            fanout = _EngineFanout(engines, self._buffers)
         elif engines:
             if self._update_group is None:
                 self._update_group = self._host_update_group(engines, engine_ranks)
@@ -293,6 +298,10 @@ class ActorGroup:
             [r.setup.remote(rank, self.world_size, master_addr, master_port) for rank, r in enumerate(self.ranks)],
             "an actor rank",
         )
+        _, self.valid_feeders = feeder_roles(
+            [(i["rank"], i["dp_rank"], i["tp_rank"], i["pp_rank"]) for i in self.infos]
+        )
+        self._feeder_plans: dict[tuple, dict[int, list[int]]] = {}
         logger.info(
             "actor up: %d ranks (tp %d, pp %d, dp %d)",
             self.world_size,
@@ -343,16 +352,11 @@ class ActorGroup:
         engine is fed by a rank on its own node (:meth:`plan_feeders`). Separate engines
         are all fed by rank 0, which hosts their weight-update group.
         """
-        from dapo_megatron.actor.weight_sync import feeder_roles
-
         if feeders is None:
             feeders = self.plan_feeders(engines) if self.config.rollout.colocate else {0: list(range(len(engines)))}
-        _, valid = feeder_roles([(i["rank"], i["dp_rank"], i["tp_rank"], i["pp_rank"]) for i in self.infos])
-        if set(feeders) - valid:
-            raise ValueError(
-                f"ranks {sorted(set(feeders) - valid)} cannot feed engines (tensor-parallel peers in the first "
-                f"data-parallel replica); valid feeders are {sorted(valid)}"
-            )
+        # Checked here, before any rank acts: a rank wrongly made a feeder of separate
+        # engines would otherwise start hosting a weight-update group.
+        check_feeders(feeders, self.valid_feeders)
         if not self.config.rollout.colocate and set(feeders) != {0}:
             raise ValueError("separate engines (rollout.colocate=false) are fed by rank 0, which hosts their group")
         ranks = tuple(sorted(feeders))
@@ -373,18 +377,19 @@ class ActorGroup:
 
     def plan_feeders(self, engines: list) -> dict[int, list[int]]:
         """Each engine is fed by the lowest rank on its node that may feed (a stage leader
-        of the first replica or a rank of another one), else by rank 0."""
-        from dapo_megatron.actor.weight_sync import feeder_roles
-
-        if self._node_ids is None:
-            self._node_ids = call_all([r.node_id.remote() for r in self.ranks], "an actor rank")
-        engine_nodes = call_all([engine.node_id.remote() for engine in engines], "a rollout engine")
-        _, valid = feeder_roles([(i["rank"], i["dp_rank"], i["tp_rank"], i["pp_rank"]) for i in self.infos])
-        plan: dict[int, list[int]] = {}
-        for index, node in enumerate(engine_nodes):
-            local = [rank for rank in sorted(valid) if self._node_ids[rank] == node]
-            plan.setdefault(local[0] if local else 0, []).append(index)
-        return plan
+        of the first replica or a rank of another one), else by rank 0. Asked of Ray once
+        per set of engines (placement does not change during a run)."""
+        key = tuple(engines)
+        if key not in self._feeder_plans:
+            if self._node_ids is None:
+                self._node_ids = call_all([r.node_id.remote() for r in self.ranks], "an actor rank")
+            engine_nodes = call_all([engine.node_id.remote() for engine in engines], "a rollout engine")
+            plan: dict[int, list[int]] = {}
+            for index, node in enumerate(engine_nodes):
+                local = [rank for rank in sorted(self.valid_feeders) if self._node_ids[rank] == node]
+                plan.setdefault(local[0] if local else 0, []).append(index)
+            self._feeder_plans[key] = plan
+        return self._feeder_plans[key]
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """The full model in HF names (tests of small models)."""

@@ -14,12 +14,19 @@ import ray
 logger = logging.getLogger(__name__)
 
 
+def cause_of(exc: BaseException) -> BaseException:
+    """The member's own exception inside Ray's wrapper (or ``exc`` itself)."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause:
+        return exc.cause
+    return exc
+
+
 def call_all(refs: list, what: str) -> list:
     """``ray.get(refs)``; a member's exception is re-raised as RuntimeError naming ``what``."""
     try:
         return ray.get(refs)
     except ray.exceptions.RayTaskError as exc:
-        raise RuntimeError(f"{what} failed: {exc.cause if exc.cause else exc}") from exc
+        raise RuntimeError(f"{what} failed: {cause_of(exc)}") from exc
 
 
 def stop_all(actors: list, what: str, timeout_s: float = 60.0) -> None:

@@ -136,9 +136,7 @@ class SharedBucketBuffer:
         total = sum(_aligned(t.nbytes) for (_, t), ref in zip(bucket.tensors, referenced) if not ref)
         if total and (self._flat is None or self._flat.numel() < total):
             self._flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-            if self.device.type == "cpu":
-                use_shareable_cpu_tensors()
-                self._flat.share_memory_()
+            share_storage(self._flat)  # no-op for CUDA tensors: they travel by IPC handle
             self._handle = tensor_handle(self._flat)
         buffers: list[bytes] = []
         layout, offset = [], 0

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Optional
 
 import ray
 import torch
 
-from dapo_megatron.config import Config
+from dapo_megatron.config import Config, hf_model_folder
 from dapo_megatron.orchestration.calls import call_all, stop_all
 from dapo_megatron.rollout.engine import Generation, SamplingParams
 
@@ -92,12 +93,16 @@ class EngineWorker:
         self.engine.shutdown()
 
 
+def engine_kind(config: Config) -> str:
+    """``sglang`` or ``hf``: ``rollout.engine``, with ``auto`` meaning SGLang on a GPU."""
+    if config.rollout.engine != "auto":
+        return config.rollout.engine
+    return "sglang" if torch.cuda.is_available() and config.parallel.device != "cpu" else "hf"
+
+
 def _build_engine(config: Config, index: int):
     rollout = config.rollout
-    kind = rollout.engine
-    if kind == "auto":
-        kind = "sglang" if torch.cuda.is_available() and config.parallel.device != "cpu" else "hf"
-    if kind == "hf":
+    if engine_kind(config) == "hf":
         from dapo_megatron.rollout.hf_engine import HFRolloutEngine
 
         device = "cuda" if torch.cuda.is_available() and config.parallel.device == "cuda" else "cpu"
@@ -107,7 +112,7 @@ def _build_engine(config: Config, index: int):
     if config.model.hf_config is None:
         raise ValueError("the SGLang engine needs model.hf_config (an HF folder to start from)")
     return SGLangRolloutEngine(
-        os.path.dirname(config.model.hf_config) if config.model.hf_config.endswith(".json") else config.model.hf_config,
+        str(hf_model_folder(config.model.hf_config)),
         tp_size=rollout.engine_tp_size,
         mem_fraction_static=rollout.gpu_memory_utilization,
         seed=rollout.seed + index,
@@ -120,9 +125,7 @@ class RolloutWorkers:
 
     def __init__(self, config: Config) -> None:
         rollout = config.rollout
-        on_gpu = rollout.engine == "sglang" or (
-            rollout.engine == "auto" and torch.cuda.is_available() and config.parallel.device != "cpu"
-        )
+        on_gpu = engine_kind(config) == "sglang"
         # CPU engines share the machine's cores: oversubscribed OpenMP threads spin and
         # slow every copy and matmul down several times.
         threads = config.ray.engine_num_threads or max(1, (os.cpu_count() or 1) // rollout.num_engines)
@@ -155,8 +158,7 @@ class RolloutWorkers:
         for index, (start, stop) in enumerate(shares):
             if start == stop:
                 continue
-            seed = None if params.seed is None else params.seed + index
-            engine_params = SamplingParams(**{**params.__dict__, "seed": seed})
+            engine_params = replace(params, seed=None if params.seed is None else params.seed + index)
             refs.append(self.engines[index].generate.remote(prompts[start:stop], engine_params, n))
             offsets.append(start)
         results: list[Generation] = []

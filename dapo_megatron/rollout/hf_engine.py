@@ -73,6 +73,7 @@ class HFRolloutEngine(RolloutEngine):
         self._params = dict(model.named_parameters())
         self._spare: dict[str, torch.Tensor] = {}
         self._session: Optional[dict] = None
+        self._update_group = None  # the weight-update group, once joined (separate engines)
         unknown = sorted(set(self._expected) - set(self._params))
         if unknown:
             raise ValueError(f"the HF model has no parameters {unknown[:5]} that a Qwen2 of this shape needs")
@@ -227,7 +228,7 @@ class HFRolloutEngine(RolloutEngine):
         stage it into the open update."""
         import torch.distributed as dist
 
-        if getattr(self, "_update_group", None) is None:
+        if self._update_group is None:
             raise WeightSyncError(f"receive_broadcast_bucket before joining the weight-update group {group_name!r}")
         tensors = []
         for name, dtype, shape in zip(names, dtypes, shapes):
