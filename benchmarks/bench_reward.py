@@ -2,7 +2,8 @@
 
 Run: ``.venv/bin/python benchmarks/bench_reward.py [--num 20000] [--chars 20000]``.
 Pins itself to one CPU core, builds a mix of responses (correct, wrong, no answer,
-boxed, thousands separators, adversarial tails), scores them through the same
+boxed, thousands separators, prose and units, end tokens, unevaluated
+fractions and roots, hedged boxes, adversarial tails), scores them through the same
 :class:`RewardScorer` the trainer uses, and prints responses per second.
 """
 
@@ -26,6 +27,10 @@ def make_responses(num: int, chars: int, seed: int = 0) -> tuple[list[str], list
         lambda a: f"\nAnswer: {a:,} dollars.",
         lambda a: "\nI could not finish.",
         lambda a: "\nAnswer: 1" + "m" * 250 + "x",
+        lambda a: f"\nAnswer:\n\nThe value is ${a}\\,\\text{{cm}}$ (as computed above).<|im_end|>",
+        lambda a: f"\nAnswer: $\\frac{{{2 * a}}}{{2}}$</s>",
+        lambda a: f"\nAnswer: \\boxed{{{a}}} or \\boxed{{{a + 1}}}",
+        lambda a: f"\nAnswer: $\\sqrt{{{a * a}}}$",
     ]
     responses, truths = [], []
     for i in range(num):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from fractions import Fraction
 
 import pytest
 
 from dapo_megatron.algo.rewards import RewardScorer, available_rewards, resolve_reward, score_response
 from dapo_megatron.algo.rewards.dapo_math import TAIL_CHARS, normalize_answer
+from dapo_megatron.algo.rewards.exact_value import exact_value
 
 FILLER = "Let me think about this step by step. " * 20
 
@@ -56,6 +58,63 @@ DAPO_MATH_CASES = [
     ("Answer: 12 \\text{ cm}^2", "12", True, "12"),
 ]
 
+# The answer formats real models write (issue 11): the right value, written in a way
+# DAPO's rule means to accept, and the hedges and roundings it must refuse.
+REAL_MODEL_CASES = [
+    # The value on the next line; a trailing empty Answer: after a complete one.
+    ("Answer:\n\n$855$", "855", True, "855"),
+    ("Answer: 42\nAnswer:", "42", True, "42"),
+    ("Answer: 42\n\nAnswer:  \n", "42", True, "42"),
+    ("Answer:\nAnswer: 7", "7", True, "7"),
+    # Escaped dollars.
+    ("Answer: \\$19", "19", True, "19"),
+    ("Answer: $\\$386$", "386", True, "386"),
+    # Units glued on or spaced with TeX spacing (which is a space, not nothing).
+    ("Answer: 922cm", "922", True, "922"),
+    ("Answer: $411\\text{cm}$", "411", True, "411"),
+    ("Answer: $42\\,\\text{cm}$", "42", True, "42"),
+    ("Answer: $338\\ \\text{cm}$", "338", True, "338"),
+    ("Answer: $12\\mathrm{cm}$", "12", True, "12"),
+    ("Answer: $1\\,000$", "1000", True, "1000"),
+    # Prose around the value.
+    ("Answer: The value is $235$.", "235", True, "235"),
+    ("Answer: The answer is 42.", "42", True, "42"),
+    ("Answer: 42 because 3 + 36 = 39", "42", True, "42"),
+    ("Answer: 42 (as computed above)", "42", True, "42"),
+    ("Answer: a total of 42 apples", "42", True, "42"),
+    # End-of-sequence tokens, invisible characters, signs and decorations.
+    ("Answer: 42<|im_end|>", "42", True, "42"),
+    ("Answer: $\\boxed{42}$<|endoftext|>", "42", True, "42"),
+    ("Answer: 42</s>", "42", True, "42"),
+    ("Answer: 42\u200b", "42", True, "42"),
+    ("Answer: \u22127", "-7", True, "-7"),
+    ("Answer: $30^\\circ$", "30", True, "30"),
+    ("Answer: 30\u00b0", "30", True, "30"),
+    ("Answer: `42`", "42", True, "42"),
+    ("Answer: **42**", "42", True, "42"),
+    ("Answer: $\\mathbf{42}$", "42", True, "42"),
+    ("Answer: \\quad 42", "42", True, "42"),
+    ("Answer: 42 \\\\", "42", True, "42"),
+    # Equal values written unevaluated: exact rational comparison.
+    ("Answer: $\\frac{84}{2}$", "42", True, "\\frac{84}{2}"),
+    ("Answer: $\\sqrt{7396}$", "86", True, "\\sqrt{7396}"),
+    ("Answer: $2^{10}$", "1024", True, "2^{10}"),
+    ("Answer: 0.5", "\\frac{1}{2}", True, "0.5"),
+    ("Answer: $\\sqrt{7397}$", "86", False, "\\sqrt{7397}"),
+    ("Answer: $\\frac{85}{2}$", "42", False, "\\frac{85}{2}"),
+    # Hedges score wrong: two different boxed values, two values joined by prose.
+    ("Answer: \\boxed{65} or \\boxed{351}", "65", False, "65 | 351"),
+    ("Answer: $\\boxed{65}$ or $\\boxed{351}$", "351", False, "65 | 351"),
+    ("Answer: \\boxed{65} = \\boxed{65}", "65", True, "65"),
+    ("Answer: 42 or 43", "42", False, "42 | 43"),
+    ("Answer: $x = 5$ and $y = 6$", "5", False, "5 | 6"),
+    # Decimals are compared digit by digit, never rounded to equality.
+    ("Answer: 0.1234567890123456789012345678", "0.123456789012345678901234567900", False, None),
+    ("Answer: 0.1234567890123456789012345678", "0.12345678901234567890123456780", True, None),
+    ("Answer: 3.14159", "3.1416", False, "3.14159"),
+    ("Answer: no solution", "0", False, ""),
+]
+
 
 @pytest.mark.parametrize(("response", "truth", "correct", "prediction"), DAPO_MATH_CASES)
 def test_dapo_math_cases(response, truth, correct, prediction):
@@ -64,6 +123,25 @@ def test_dapo_math_cases(response, truth, correct, prediction):
     assert result.score == (1.0 if correct else -1.0)
     assert result.prediction == prediction
     assert not result.timed_out and result.error is None
+
+
+@pytest.mark.parametrize(("response", "truth", "correct", "prediction"), REAL_MODEL_CASES)
+def test_answer_formats_real_models_write(response, truth, correct, prediction):
+    result = score_response("dapo_math", response, truth)
+    assert result.correct is correct, result.prediction
+    if prediction is not None:
+        assert result.prediction == prediction
+
+
+def test_exact_value_is_exact_and_bounded():
+    assert exact_value("\\frac{84}{2}") == 42
+    assert exact_value("\\frac12 + 0.5") == 1
+    assert exact_value("2\\sqrt{9} - (1 + 2) \\cdot 4^{1/2}") == 0
+    assert exact_value("\\sqrt[3]{-27}") == -3
+    assert exact_value("\\left(\\frac{3}{4}\\right)^{-2}") == Fraction(16, 9)
+    assert exact_value("0.1234567890123456789012345678") == Fraction(1234567890123456789012345678, 10**28)
+    for unknown in ("\\sqrt{2}", "\\sqrt{-4}", "x + 1", "1/0", "2^{2^{2^{2^{2}}}}", "(" * 100 + "1" + ")" * 100, ""):
+        assert exact_value(unknown) is None, unknown
 
 
 def test_there_are_at_least_30_cases():
@@ -91,6 +169,11 @@ def test_normalize_answer_examples():
         "y" * 1_000 + "\nAnswer: 1" + "m" * 280 + "x",
         "y" * 1_000 + "\nAnswer: 1" + " m" * 140,
         "y" * 1_000 + "\nAnswer: " + "1" * 280 + "x",
+        "y" * 1_000 + "\nAnswer: $" + "\\sqrt{" * 60 + "4" + "}" * 60 + "$",
+        "y" * 1_000 + "\nAnswer: $" + "9^{" * 40 + "9" + "}" * 40 + "$",
+        "y" * 1_000 + "\nAnswer: " + "\\frac{1}{" * 25 + "7" + "}" * 25,
+        "y" * 1_000 + "\nAnswer: " + "$1$ or " * 40,
+        "y" * 1_000 + "\nAnswer: " + "<|im_end|>" * 100 + "\u200b" * 100,
     ],
 )
 def test_adversarial_inputs_are_fast(response):
