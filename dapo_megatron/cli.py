@@ -91,15 +91,15 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("--ckpt", required=True, help="checkpoint folder, or a save folder with a 'latest' file")
     to_hf.add_argument("--hf-config", required=True, help="folder with the model's config.json and tokenizer files")
     to_hf.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
-    to_hf.add_argument(
-        "--dtype",
-        choices=["keep", "bfloat16", "float16", "float32"],
-        default="keep",
-        help="dtype of the written tensors (default: as stored)",
-    )
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="size of each safetensors file (default 5)")
     for sub in (to_megatron, to_hf):
         sub.add_argument("--overwrite", action="store_true", help="replace an existing output folder (after success)")
+        sub.add_argument(
+            "--dtype",
+            choices=["keep", "bfloat16", "float16", "float32"],
+            default="keep",
+            help="dtype of the written tensors (default: as stored); verification rounds both sides to it",
+        )
         verify = sub.add_mutually_exclusive_group()
         verify.add_argument(
             "--verify",
@@ -109,7 +109,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
             help="compare logits with transformers' Qwen2 (default: on up to 2 GiB)",
         )
         verify.add_argument("--no-verify", dest="verify", action="store_false", help="skip the logit comparison")
-        sub.add_argument("--quiet", action="store_true", help="no progress bar")
+        sub.add_argument("--quiet", action="store_true", help="print the final summary line only")
 
 
 def _config_arguments(command: argparse.ArgumentParser, func) -> None:

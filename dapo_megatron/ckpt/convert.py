@@ -256,9 +256,13 @@ def hf_to_megatron(
     *,
     overwrite: bool = False,
     verify: bool | str = "auto",
+    dtype: Optional[torch.dtype] = None,
     progress: bool = True,
 ) -> ConversionReport:
-    """Convert an HF Qwen2 checkpoint into a Megatron ``torch_dist`` checkpoint."""
+    """Convert an HF Qwen2 checkpoint into a Megatron ``torch_dist`` checkpoint.
+
+    ``dtype``: cast tensors to this dtype (default: as stored in the HF files).
+    """
     hf_dir, out = Path(hf_dir), Path(out)
     shape = _shape_from_hf_config(hf_dir)
     hf = HFCheckpoint(hf_dir)
@@ -267,22 +271,22 @@ def hf_to_megatron(
     chunks = []
     for key, layer in megatron_tensor_order(shape):
         names = hf_names_of(key, layer)
-        dtype = _torch_dtype(hf.dtypes[names[0]])
+        out_dtype = dtype or _torch_dtype(hf.dtypes[names[0]])
         full = global_shapes[key]
         offsets, sizes = _region(full, layer)
 
-        def produce(key=key, names=names, layer=layer) -> torch.Tensor:
-            tensor = to_megatron(key, [hf.read(n) for n in names], shape)
+        def produce(key=key, names=names, layer=layer, out_dtype=out_dtype) -> torch.Tensor:
+            tensor = to_megatron(key, [hf.read(n) for n in names], shape).to(out_dtype)
             return tensor.unsqueeze(0) if layer is not None else tensor
 
-        chunks.append(dcp_io.ChunkSpec(key, tuple(full), offsets, tuple(sizes), dtype, produce))
+        chunks.append(dcp_io.ChunkSpec(key, tuple(full), offsets, tuple(sizes), out_dtype, produce))
     total = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
     report = ConversionReport(out=out, num_tensors=len(chunks), num_bytes=total, verified=False)
     with _staged_output(out, overwrite) as staging:
         with _Progress(total, len(chunks), "hf->megatron", progress) as bar:
             dcp_io.write_dist_checkpoint(staging, chunks, on_written=lambda chunk, data: bar.update(data.nbytes))
         if _should_verify(verify, total):
-            _verify(hf_dir, staging, report)
+            _verify(hf_dir, staging, report, dtype)
     return report
 
 
@@ -440,31 +444,72 @@ def megatron_to_hf(
             copy_tokenizer_files(config_dir, staging)
         report = ConversionReport(out=out, num_tensors=len(weight_map), num_bytes=total, verified=False)
         if _should_verify(verify, total):
-            _verify(staging, checkpoint, report)
+            _verify(staging, checkpoint, report, dtype)
     return report
 
 
-def _verify(hf_dir: Path, megatron_ckpt: Path, report: ConversionReport) -> None:
-    from dapo_megatron.ckpt.verify import compare_logits
+def _verify(hf_dir: Path, megatron_ckpt: Path, report: ConversionReport, dtype: Optional[torch.dtype]) -> None:
+    """Compare logits; with a dtype change, both sides' weights are rounded to the written dtype."""
+    from dapo_megatron.ckpt.verify import TOLERANCE, compare_logits
 
-    error = compare_logits(hf_dir, megatron_ckpt)
+    error = compare_logits(hf_dir, megatron_ckpt, weights_dtype=dtype)
     report.verified, report.max_logit_error = True, error
-    if error > 1e-4:
+    if not error <= TOLERANCE:
         raise ConversionError(
             f"verification failed: Megatron and transformers logits differ by {error:.3g} (relative to the "
-            f"largest logit) on the same prompts; the converted checkpoint was not kept"
+            f"largest logit; at most {TOLERANCE:g} expected, both sides' weights rounded to the same dtype) on the "
+            f"same prompts; the converted checkpoint was not kept"
         )
+
+
+@contextlib.contextmanager
+def _silenced(enabled: bool) -> Iterator[None]:
+    """``--quiet``: Python warnings, library logs and transformers' loading bar off."""
+    if not enabled:
+        yield
+        return
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    disabled_below = logging.root.manager.disable
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(disabled_below)
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def run_cli(direction: str, args, log: Callable[[str], None]) -> ConversionReport:
     """Entry point used by ``dapo-megatron convert`` and ``tools/convert_ckpt``."""
+    with _silenced(args.quiet):
+        report = _convert_from_args(direction, args)
+    checked = (
+        f"verified against transformers (max relative logit error {report.max_logit_error:.2e})"
+        if report.verified
+        else "not verified (pass --verify to compare logits with transformers)"
+    )
+    log(f"wrote {report.out}: {report.num_tensors} tensors, {report.num_bytes / 2**20:.1f} MiB; {checked}")
+    return report
+
+
+def _convert_from_args(direction: str, args) -> ConversionReport:
     verify = "auto" if args.verify is None else args.verify
+    dtype = {"keep": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     if direction == "hf-to-megatron":
-        report = hf_to_megatron(args.hf_dir, args.out, overwrite=args.overwrite, verify=verify, progress=not args.quiet)
+        report = hf_to_megatron(
+            args.hf_dir, args.out, overwrite=args.overwrite, verify=verify, dtype=dtype, progress=not args.quiet
+        )
     else:
-        dtype = {"keep": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
-            args.dtype
-        ]
         report = megatron_to_hf(
             args.ckpt,
             args.hf_config,
@@ -475,10 +520,4 @@ def run_cli(direction: str, args, log: Callable[[str], None]) -> ConversionRepor
             max_shard_bytes=int(args.max_shard_gb * 2**30),
             progress=not args.quiet,
         )
-    checked = (
-        f"verified against transformers (max relative logit error {report.max_logit_error:.2e})"
-        if report.verified
-        else "not verified (pass --verify to compare logits with transformers)"
-    )
-    log(f"wrote {report.out}: {report.num_tensors} tensors, {report.num_bytes / 2**20:.1f} MiB; {checked}")
     return report

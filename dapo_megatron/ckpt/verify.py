@@ -5,12 +5,21 @@ HF checkpoint into ``transformers``' own Qwen2ForCausalLM (fp32), runs a few fix
 prompts through both, and returns the largest logit difference relative to the largest
 logit. A wrong QKV interleave, a swapped gate/up, a missing bias or a misplaced norm shows
 up here as an error of order 1, while an exact conversion stays at fp32 rounding.
+
+A conversion that also changes the dtype (``--dtype bfloat16`` from an fp32 checkpoint)
+rounds every weight once, which moves the logits by about 1e-3: a fixed tolerance would
+either refuse every such conversion or hide a mapping error of that size. Instead the
+rounding itself is checked exactly: both models' weights are rounded to the written dtype
+(``weights_dtype``) and then run in fp32. Rounding is elementwise and deterministic, so an
+exact mapping gives identical weights on both sides (rounding an already rounded weight
+changes nothing) and the logits again agree to fp32 rounding, with the same tolerance.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -18,8 +27,31 @@ NUM_PROMPTS = 3
 PROMPT_TOKENS = 16
 
 
-def compare_logits(hf_dir: str | os.PathLike, megatron_ckpt: str | os.PathLike, *, seed: int = 0) -> float:
-    """max |logits_megatron - logits_hf| / max |logits_hf| over a few random prompts."""
+TOLERANCE = 1e-4
+"""Largest accepted relative logit difference: fp32 rounding of the two forward passes."""
+
+
+def _round_weights(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> None:
+    """Round every parameter to ``dtype`` and back to fp32, in place."""
+    if dtype is None or dtype == torch.float32:
+        return
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(dtype).to(parameter.dtype))
+
+
+def compare_logits(
+    hf_dir: str | os.PathLike,
+    megatron_ckpt: str | os.PathLike,
+    *,
+    weights_dtype: Optional[torch.dtype] = None,
+    seed: int = 0,
+) -> float:
+    """max |logits_megatron - logits_hf| / max |logits_hf| over a few random prompts.
+
+    ``weights_dtype``: the dtype the conversion wrote; both models' weights are rounded to
+    it before the fp32 forward passes (see the module docstring).
+    """
     from transformers import Qwen2ForCausalLM
 
     from dapo_megatron.ckpt.loading import load_megatron_weights
@@ -33,6 +65,7 @@ def compare_logits(hf_dir: str | os.PathLike, megatron_ckpt: str | os.PathLike, 
         0, model.vocab_size, (NUM_PROMPTS, PROMPT_TOKENS), generator=torch.Generator().manual_seed(seed)
     )
     hf = Qwen2ForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    _round_weights(hf, weights_dtype)
     hf.eval()
     with torch.no_grad():
         reference = hf(tokens).logits
@@ -43,6 +76,7 @@ def compare_logits(hf_dir: str | os.PathLike, megatron_ckpt: str | os.PathLike, 
         with megatron_runtime(parallel, seed=seed):
             gpt = build_qwen2_model(model, parallel, "cpu", output_logits=True)
             load_megatron_weights(gpt, megatron_ckpt)
+            _round_weights(gpt, weights_dtype)
             gpt.eval()
             with torch.no_grad():
                 positions = torch.arange(PROMPT_TOKENS).expand_as(tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dapo_megatron.ckpt import convert as convert_module
 from dapo_megatron.ckpt import qwen2_mapping
 from dapo_megatron.ckpt.convert import ConversionError, hf_to_megatron, megatron_to_hf
 from dapo_megatron.ckpt.dcp_io import read_chunk, tensor_shapes
@@ -111,6 +113,55 @@ def test_a_wrong_mapping_fails_verification_and_keeps_nothing(tmp_path, monkeypa
     with pytest.raises(ConversionError, match="verification failed: Megatron and transformers logits differ"):
         hf_to_megatron(hf, tmp_path / "mg", verify=True, progress=False)
     assert not (tmp_path / "mg").exists() and not list(tmp_path.glob("mg*"))
+
+
+@pytest.mark.parametrize("direction", ["megatron-to-hf", "hf-to-megatron"])
+def test_fp32_to_bf16_conversion_is_verified_exactly(tmp_path, monkeypatch, direction):
+    """Rounding to bf16 moves logits by ~1e-3; verification rounds both sides, so it passes at 1e-5."""
+    hf = make_hf(tmp_path / "hf")
+    hf_to_megatron(hf, tmp_path / "mg", verify=False, progress=False)
+    original = hf_tensors(hf)
+    if direction == "megatron-to-hf":
+        report = megatron_to_hf(
+            tmp_path / "mg", hf, tmp_path / "out", dtype=torch.bfloat16, verify=True, progress=False
+        )
+        written = hf_tensors(tmp_path / "out")
+        for name, tensor in original.items():
+            assert written[name].dtype == torch.bfloat16 and torch.equal(written[name], tensor.to(torch.bfloat16))
+    else:
+        report = hf_to_megatron(hf, tmp_path / "out", dtype=torch.bfloat16, verify=True, progress=False)
+        norm = read_chunk(tmp_path / "out", qwen2_mapping.FINAL_NORM, (0,), (64,), torch.bfloat16)
+        assert tensor_shapes(tmp_path / "out")[qwen2_mapping.FINAL_NORM] == ((64,), torch.bfloat16)
+        assert torch.equal(norm, original["model.norm.weight"].to(torch.bfloat16))
+    assert report.verified and report.max_logit_error < 1e-5
+
+    # A mapping error smaller than the rounding's effect on the logits is still caught.
+    mapped = convert_module.to_megatron
+
+    def skewed(key, tensors, shape):
+        tensor = mapped(key, tensors, shape)
+        return tensor * 1.01 if key == qwen2_mapping.FINAL_NORM else tensor
+
+    monkeypatch.setattr(convert_module, "to_megatron", skewed)
+    with pytest.raises(ConversionError, match="verification failed"):
+        hf_to_megatron(hf, tmp_path / "skewed", dtype=torch.bfloat16, verify=True, progress=False)
+
+
+def test_quiet_prints_the_summary_only(tmp_path):
+    hf = make_hf(tmp_path / "hf")
+    for direction, paths in (
+        ("hf-to-megatron", ["--hf-dir", str(hf), "--out", str(tmp_path / "mg")]),
+        ("megatron-to-hf", ["--ckpt", str(tmp_path / "mg"), "--hf-config", str(hf), "--out", str(tmp_path / "back")]),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "dapo_megatron", "convert", direction, *paths, "--quiet", "--verify"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONWARNINGS": "default"},
+        )
+        assert done.returncode == 0, done.stderr
+        lines = (done.stdout + done.stderr).splitlines()
+        assert len(lines) == 1 and lines[0].startswith("wrote ") and "verified against transformers" in lines[0], lines
 
 
 def test_unsupported_architecture(tmp_path):
