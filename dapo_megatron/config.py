@@ -4,7 +4,9 @@ Every setting of a run lives here, with its type, its default and a docstring, s
 misspelt key or a value of the wrong type is refused before any process starts instead of
 being ignored or discovered an hour into a job. A config is built in three steps:
 
-1. read the YAML file (a mapping of sections), apply dotted ``key=value`` overrides;
+1. read the YAML file (a mapping of sections), resolve its relative paths against the
+   file's folder, apply dotted ``key=value`` overrides (their paths against the current
+   directory);
 2. check every key and type against the dataclasses (unknown key, wrong type: refused);
 3. fill the model shape from the HF ``config.json`` when one is named, then check the
    cross-section rules (layout against world size and model shape, batch divisibility).
@@ -336,6 +338,41 @@ class Config:
 
 # --------------------------------------------------------------------------- loading
 
+PATH_KEYS = (
+    "model.hf_config",
+    "data.train_files",
+    "data.val_files",
+    "data.tokenizer",
+    "trainer.output_dir",
+    "checkpoint.save_dir",
+    "checkpoint.load_dir",
+)
+"""Keys that hold file or folder paths. A relative path written in a YAML file means a
+path next to that file, wherever the command runs (a config and its data can be moved
+together); one given on the command line means one in the current directory. Both are
+stored absolute, so the resolved config written into the run folder loads anywhere, and
+errors show the path that was actually looked at. Paths left at their defaults (and
+those of a config built from a dict) are relative to the current directory."""
+
+
+def _absolute(value: Any, base: Path) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [_absolute(item, base) for item in value]
+    path = Path(os.path.expanduser(value))
+    return str(path if path.is_absolute() else (base / path).resolve())
+
+
+def _resolve_paths(config: Config, sources: dict[str, str], file_source: str, file_dir: Optional[Path]) -> None:
+    """Make every path absolute: set in the file against ``file_dir``, else against the cwd."""
+    for dotted in PATH_KEYS:
+        from_file = sources.get(dotted) == file_source and file_dir is not None
+        base = file_dir if from_file else Path.cwd()
+        section, key = dotted.split(".")
+        holder = getattr(config, section)
+        setattr(holder, key, _absolute(getattr(holder, key), base))
+
 
 def load_config(path: Optional[str | os.PathLike], overrides: Optional[list[str]] = None) -> Config:
     """Load, override, resolve and validate a config.
@@ -367,16 +404,29 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[list[str]
                 f"found {type(loaded).__name__}"
             )
         raw = loaded
-    return config_from_dict(raw, source, overrides)
+    folder = Path(path).resolve().parent if path is not None else None
+    return config_from_dict(raw, source, overrides, base_dir=folder)
 
 
-def config_from_dict(raw: dict[str, Any], source: str = "<dict>", overrides: Optional[list[str]] = None) -> Config:
-    """Build, override, resolve and validate a config from a nested dict (as parsed from YAML)."""
+def config_from_dict(
+    raw: dict[str, Any],
+    source: str = "<dict>",
+    overrides: Optional[list[str]] = None,
+    *,
+    base_dir: Optional[Path] = None,
+) -> Config:
+    """Build, override, resolve and validate a config from a nested dict (as parsed from YAML).
+
+    ``base_dir``: the folder relative paths in ``raw`` are relative to (the YAML file's);
+    without it they stay as written. Paths in ``overrides`` are resolved against the
+    current directory (see :data:`PATH_KEYS`).
+    """
     sources: dict[str, str] = {}
     config = build_dataclass(Config, raw, "", source, sources)
     for override in overrides or []:
         apply_override(config, override)
         sources[override.split("=", 1)[0].strip()] = COMMAND_LINE
+    _resolve_paths(config, sources, source, base_dir)
     resolve_model_shape(config.model, _Where(sources, source))
     validate(config, sources=sources, default_source=source)
     return config
@@ -405,17 +455,17 @@ _SHAPE_FIELDS = tuple(_HF_KEYS)
 
 
 class _Where:
-    """Tells which file or the command line a dotted key came from."""
+    """Tells where the values of some dotted keys came from: the file, the command line, or
+    both. Keys left at their defaults or read from the model's ``config.json`` (which the
+    user does not edit) count as the default source, the config file."""
 
     def __init__(self, sources: dict[str, str], default: str) -> None:
         self.sources = sources
         self.default = default
 
     def __call__(self, *keys: str) -> str:
-        for key in keys:
-            if key in self.sources:
-                return self.sources[key]
-        return self.default
+        found = list(dict.fromkeys(self.sources[key] for key in keys if key in self.sources))
+        return " and ".join(found) if found else self.default
 
 
 def hf_model_folder(hf_config: Optional[str | os.PathLike]) -> Optional[Path]:
@@ -426,6 +476,11 @@ def hf_model_folder(hf_config: Optional[str | os.PathLike]) -> Optional[Path]:
     return path if path.is_dir() else path.parent
 
 
+def _config_json_path(hf_config: str | os.PathLike) -> Path:
+    path = Path(hf_config)
+    return path / "config.json" if path.is_dir() else path
+
+
 def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
     """Read the model shape from an HF Qwen2 ``config.json`` (file or folder).
 
@@ -433,9 +488,7 @@ def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
     the RoPE base: top-level ``rope_theta`` (transformers 4.x, released Qwen2.5) and
     ``rope_parameters.rope_theta`` (transformers 5.x).
     """
-    path = Path(hf_config)
-    if path.is_dir():
-        path = path / "config.json"
+    path = _config_json_path(hf_config)
     try:
         hf = json.loads(path.read_text())
     except OSError as exc:
@@ -469,7 +522,16 @@ def resolve_model_shape(model: ModelConfig, where: Any = None) -> None:
     """Fill unset shape fields of ``model`` from its HF config; refuse disagreements."""
     where = where or (lambda *keys: "config")
     if model.hf_config is not None:
-        shape = read_hf_model_shape(model.hf_config)
+        try:
+            shape = read_hf_model_shape(model.hf_config)
+        except ConfigError as exc:
+            source = where("model.hf_config")
+            hint = (
+                ""
+                if source in ("config", COMMAND_LINE)
+                else " (relative paths in a config file are relative to its folder)"
+            )
+            raise ConfigError(f"{source}: {exc}{hint}") from None
         for name, value in shape.items():
             current = getattr(model, name)
             if current is None:
@@ -582,25 +644,53 @@ def _validate_ranges(config: Config, fail) -> None:
     positive(t, "trainer", "num_steps", "micro_batch_max_tokens")
 
 
+def _nearest(candidates: Any, value: int, key: str) -> str:
+    """``"; nearest valid key: 2 or 4"``: the closest candidates below and above ``value``."""
+    below = [c for c in candidates if c < value]
+    above = [c for c in candidates if c > value]
+    nearest = ([max(below)] if below else []) + ([min(above)] if above else [])
+    return f"; nearest valid {key}: {' or '.join(str(n) for n in nearest)}" if nearest else ""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+_LAYOUT_KEYS = (
+    "parallel.tp_size",
+    "parallel.pp_size",
+    "parallel.cp_size",
+    "parallel.num_nodes",
+    "parallel.num_devices_per_node",
+)
+
+
 def _validate_layout(config: Config, fail) -> None:
     """The layout against the world size and against the model shape."""
     m, p = config.model, config.parallel
     model_parallel = p.tp_size * p.pp_size * p.cp_size
+    heads_and_groups = [t for t in _divisors(m.num_attention_heads) if m.num_query_groups % t == 0]
     if p.dp_size is None:
         if p.world_size % model_parallel:
+            others = p.pp_size * p.cp_size
+            valid_tp = [t for t in heads_and_groups if p.world_size % (t * others) == 0]
             fail(
-                ("parallel.tp_size", "parallel.pp_size", "parallel.num_devices_per_node"),
+                _LAYOUT_KEYS,
                 f"world size {p.world_size} (parallel.num_nodes={p.num_nodes} x "
                 f"parallel.num_devices_per_node={p.num_devices_per_node}) must be divisible by "
-                f"tp_size*pp_size*cp_size={p.tp_size}*{p.pp_size}*{p.cp_size}={model_parallel}",
+                f"tp_size*pp_size*cp_size={p.tp_size}*{p.pp_size}*{p.cp_size}={model_parallel}"
+                + _nearest(valid_tp, p.tp_size, "parallel.tp_size"),
             )
     elif p.world_size != model_parallel * p.dp_size:
+        hint = ""
+        if p.world_size % model_parallel == 0:
+            hint = f"; with this tp, pp and cp: parallel.dp_size={p.world_size // model_parallel} (or unset it)"
         fail(
-            ("parallel.dp_size", "parallel.tp_size", "parallel.num_devices_per_node"),
+            ("parallel.dp_size", *_LAYOUT_KEYS),
             f"world size {p.world_size} (parallel.num_nodes={p.num_nodes} x "
             f"parallel.num_devices_per_node={p.num_devices_per_node}) must equal "
             f"tp_size*pp_size*dp_size*cp_size={p.tp_size}*{p.pp_size}*{p.dp_size}*{p.cp_size}"
-            f"={model_parallel * p.dp_size}",
+            f"={model_parallel * p.dp_size}{hint}",
         )
     if p.sequence_parallel and p.tp_size == 1:
         fail(("parallel.sequence_parallel",), "parallel.sequence_parallel=true needs parallel.tp_size > 1")
@@ -613,13 +703,15 @@ def _validate_layout(config: Config, fail) -> None:
 
     if m.num_attention_heads % p.tp_size:
         fail(
-            ("parallel.tp_size",),
-            f"parallel.tp_size={p.tp_size} must divide model.num_attention_heads={m.num_attention_heads}",
+            ("parallel.tp_size", "model.num_attention_heads"),
+            f"parallel.tp_size={p.tp_size} must divide model.num_attention_heads={m.num_attention_heads}"
+            + _nearest(heads_and_groups, p.tp_size, "parallel.tp_size"),
         )
     if m.num_query_groups % p.tp_size:
         fail(
-            ("parallel.tp_size",),
-            f"parallel.tp_size={p.tp_size} must divide model.num_query_groups={m.num_query_groups}",
+            ("parallel.tp_size", "model.num_query_groups"),
+            f"parallel.tp_size={p.tp_size} must divide model.num_query_groups={m.num_query_groups}"
+            + _nearest(heads_and_groups, p.tp_size, "parallel.tp_size"),
         )
     if m.num_attention_heads % m.num_query_groups:
         fail(
@@ -637,9 +729,10 @@ def _validate_layout(config: Config, fail) -> None:
     except ValueError:
         if not uneven:
             fail(
-                ("parallel.pp_size",),
+                ("parallel.pp_size", "model.num_layers"),
                 f"parallel.pp_size={p.pp_size} must divide model.num_layers={m.num_layers} "
-                f"(or set parallel.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage)",
+                f"(or set parallel.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage)"
+                + _nearest(_divisors(m.num_layers), p.pp_size, "parallel.pp_size"),
             )
         fail(
             ("parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage"),
@@ -700,26 +793,29 @@ def _validate_batches(config: Config, fail) -> None:
     p, r, a, d, t = config.parallel, config.rollout, config.algorithm, config.data, config.trainer
     model_parallel = p.tp_size * p.pp_size * p.cp_size
     num_responses = d.train_batch_size * r.n_samples_per_prompt
+    dp_size = p.dp_size or p.world_size // model_parallel
+    valid_mini = [b for b in _divisors(num_responses) if b % dp_size == 0]
     if num_responses % d.mini_batch_size:
         fail(
-            ("data.mini_batch_size",),
+            ("data.mini_batch_size", "data.train_batch_size", "rollout.n_samples_per_prompt"),
             f"data.mini_batch_size={d.mini_batch_size} must divide data.train_batch_size x "
-            f"rollout.n_samples_per_prompt = {d.train_batch_size} x {r.n_samples_per_prompt} = {num_responses}",
+            f"rollout.n_samples_per_prompt = {d.train_batch_size} x {r.n_samples_per_prompt} = {num_responses}"
+            + _nearest(valid_mini, d.mini_batch_size, "data.mini_batch_size"),
         )
-    dp_size = p.dp_size or p.world_size // model_parallel
     if d.mini_batch_size % dp_size:
         fail(
-            ("data.mini_batch_size",),
-            f"data.mini_batch_size={d.mini_batch_size} must be divisible by the data-parallel size {dp_size}",
+            ("data.mini_batch_size", "parallel.dp_size", *_LAYOUT_KEYS),
+            f"data.mini_batch_size={d.mini_batch_size} must be divisible by the data-parallel size {dp_size}"
+            + _nearest(valid_mini, d.mini_batch_size, "data.mini_batch_size"),
         )
     if d.gen_batch_size is not None and d.gen_batch_size < d.train_batch_size and not a.dynamic_sampling:
         fail(
-            ("data.gen_batch_size",),
+            ("data.gen_batch_size", "data.train_batch_size", "algorithm.dynamic_sampling"),
             f"data.gen_batch_size={d.gen_batch_size} is below data.train_batch_size={d.train_batch_size} without dynamic sampling",
         )
     if t.micro_batch_max_tokens < r.max_prompt_length + r.max_response_length:
         fail(
-            ("trainer.micro_batch_max_tokens",),
+            ("trainer.micro_batch_max_tokens", "rollout.max_prompt_length", "rollout.max_response_length"),
             f"trainer.micro_batch_max_tokens={t.micro_batch_max_tokens} must hold one full sequence: "
             f"rollout.max_prompt_length + rollout.max_response_length = "
             f"{r.max_prompt_length + r.max_response_length}",

@@ -120,13 +120,17 @@ def test_section_must_be_mapping(tmp_path):
 
 def test_tp_must_divide_heads(tmp_path):
     path = write_yaml(tmp_path, qwen32b_run(tmp_path, tp_size=3, num_devices_per_node=3))
-    assert error_of(path) == f"{path}: parallel.tp_size=3 must divide model.num_attention_heads=40"
+    assert error_of(path) == (
+        f"{path}: parallel.tp_size=3 must divide model.num_attention_heads=40; nearest valid parallel.tp_size: 2 or 4"
+    )
 
 
 def test_tp_must_divide_query_groups(tmp_path):
     # 40 heads split over tp=5, but 8 KV heads do not.
     path = write_yaml(tmp_path, qwen32b_run(tmp_path, tp_size=5, num_devices_per_node=5))
-    assert error_of(path) == f"{path}: parallel.tp_size=5 must divide model.num_query_groups=8"
+    assert error_of(path) == (
+        f"{path}: parallel.tp_size=5 must divide model.num_query_groups=8; nearest valid parallel.tp_size: 4 or 8"
+    )
 
 
 def test_world_size_must_equal_product(tmp_path):
@@ -196,9 +200,74 @@ def test_overrides_with_type_coercion():
     assert cfg.algorithm.clip_ratio_c is None
     assert cfg.logging.tensorboard is False
     assert cfg.data.prompt_key == "123"
-    assert cfg.data.train_files == ["x.parquet", "y.parquet"]
-    assert cfg.data.val_files == ["only.parquet"]
+    assert cfg.data.train_files == [str(Path.cwd() / "x.parquet"), str(Path.cwd() / "y.parquet")]
+    assert cfg.data.val_files == [str(Path.cwd() / "only.parquet")]
     assert cfg.model.make_vocab_size_divisible_by == 64
+
+
+def test_divisibility_errors_suggest_the_nearest_valid_values_and_blame_every_source(tmp_path):
+    path = write_yaml(tmp_path, tiny())  # tp 2, pp 2, 4 ranks, 4 layers, 8 heads / 4 groups
+    message = error_of(path, ["parallel.num_devices_per_node=6"])
+    assert message.startswith(f"{path} and command line: world size 6 "), message
+    assert message.endswith("must be divisible by tp_size*pp_size*cp_size=2*2*1=4; nearest valid parallel.tp_size: 1")
+    assert error_of(path, ["parallel.pp_size=3", "parallel.num_devices_per_node=6"]).endswith(
+        "parallel.pp_size=3 must divide model.num_layers=4 (or set parallel.num_layers_in_first_pipeline_stage / "
+        "num_layers_in_last_pipeline_stage); nearest valid parallel.pp_size: 2 or 4"
+    )
+    # 8 prompts x 4 responses = 32; dp = 2 (8 ranks / tp 2 / pp 2).
+    message = error_of(path, ["data.mini_batch_size=12", "parallel.num_devices_per_node=8"])
+    assert message == (
+        f"command line and {path}: data.mini_batch_size=12 must divide data.train_batch_size x "
+        "rollout.n_samples_per_prompt = 8 x 4 = 32; nearest valid data.mini_batch_size: 8 or 16"
+    )
+    # A command-line change to a value the file's key is checked against is blamed on both.
+    message = error_of(path, ["data.train_batch_size=5"])
+    assert message.startswith(f"{path} and command line: data.mini_batch_size=16 must divide"), message
+    assert message.endswith("nearest valid data.mini_batch_size: 10 or 20")
+    message = error_of(path, ["parallel.dp_size=3"])
+    assert message.startswith("command line and ") and message.endswith(
+        "with this tp, pp and cp: parallel.dp_size=1 (or unset it)"
+    )
+
+
+def test_relative_paths_in_a_file_are_relative_to_its_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "configs" / "nested"
+    folder.mkdir(parents=True)
+    (folder / "qwen").mkdir()
+    (folder / "qwen" / "config.json").write_text(json.dumps(QWEN_32B))
+    data = qwen32b_run(tmp_path)
+    data["model"] = {"hf_config": "qwen"}
+    data["data"].update(train_files=["data/train.parquet", "/abs/val.parquet"], tokenizer="~/tok")
+    data["trainer"].update(output_dir="../runs/a")
+    data["checkpoint"] = {"load_dir": "ckpt"}
+    path = write_yaml(folder, data)
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(Path("..") / "configs" / "nested" / "run.yaml", ["checkpoint.save_dir=saves"])
+    assert cfg.model.hf_config == str(folder / "qwen") and cfg.model.num_layers == 64
+    assert cfg.data.train_files == [str(folder / "data" / "train.parquet"), "/abs/val.parquet"]
+    assert cfg.data.tokenizer == str(Path.home() / "tok")
+    assert cfg.trainer.output_dir == str(tmp_path / "configs" / "runs" / "a")
+    assert cfg.checkpoint.load_dir == str(folder / "ckpt")
+    # Command-line paths are relative to the current directory; unset ones stay unset.
+    assert cfg.checkpoint.save_dir == str(elsewhere / "saves")
+    assert load_config(path).checkpoint.save_dir is None
+    # The resolved config loads again, from anywhere, to the same paths.
+    (elsewhere / "resolved.yaml").write_text(cfg.to_yaml())
+    assert load_config(elsewhere / "resolved.yaml") == cfg
+
+
+def test_a_missing_path_error_shows_the_resolved_path_and_its_source(tmp_path, monkeypatch):
+    data = tiny()
+    data["model"] = {"hf_config": "missing_model"}
+    path = write_yaml(tmp_path, data)
+    monkeypatch.chdir("/")
+    message = error_of(path)
+    assert message.startswith(f"{path}: model.hf_config='{tmp_path / 'missing_model'}'"), message
+    assert "relative to its folder" in message
+    message = error_of(path, ["model.hf_config=other"])
+    assert message.startswith("command line: model.hf_config='/other'"), message
 
 
 def test_override_errors_name_the_command_line():
@@ -208,9 +277,11 @@ def test_override_errors_name_the_command_line():
     )
     assert "must look like section.key=value" in error_of(TINY, ["parallel.tp_size"])
     assert "is a section" in error_of(TINY, ["parallel=1"])
-    # An override that breaks a layout rule is blamed on the command line.
+    # An override that breaks a layout rule is blamed on the command line (and on the file
+    # that set the value it is checked against).
     assert error_of(TINY, ["parallel.tp_size=3", "parallel.num_devices_per_node=6"]) == (
-        "command line: parallel.tp_size=3 must divide model.num_attention_heads=8"
+        f"command line and {TINY}: parallel.tp_size=3 must divide model.num_attention_heads=8; "
+        "nearest valid parallel.tp_size: 2 or 4"
     )
 
 
