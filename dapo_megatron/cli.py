@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from dapo_megatron import __version__
-from dapo_megatron.config import ConfigError, load_config
+from dapo_megatron.config import ConfigError, load_config, source_of
 
 EXIT_USAGE = 2
 
@@ -30,14 +30,16 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dapo_megatron.plan import format_plan, make_plan
 
-    plan = make_plan(load_config(args.file, args.overrides))
+    config = load_config(args.file, args.overrides)
+    plan = make_plan(config)
     print(format_plan(plan))
     if not plan.fits:
-        print(
-            f"dapo-megatron plan: error: {args.file}: layout does not fit: {'; '.join(plan.problems)}; "
-            f"smallest change that fits: {plan.suggestion}",
-            file=sys.stderr,
-        )
+        for problem in plan.problems:
+            print(
+                f"dapo-megatron plan: error: {source_of(config, *problem.keys)}: layout does not fit: {problem.message}",
+                file=sys.stderr,
+            )
+        print(f"dapo-megatron plan: smallest change that fits: {plan.suggestion}", file=sys.stderr)
         return EXIT_USAGE
     return 0
 

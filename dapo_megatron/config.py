@@ -43,6 +43,11 @@ class ModelConfig:
     """Path to an HF ``config.json`` (or the folder holding it) of a Qwen2ForCausalLM. Shape
     fields left unset below are read from it; a shape field set here that disagrees with it
     is an error."""
+    hf_weights: Optional[str] = None
+    """Folder of the HF safetensors the run starts from (converted on load, unless
+    ``checkpoint.load_dir`` is set) and of the default tokenizer; defaults to
+    ``model.hf_config``'s folder. Lets a config carry its model shape without the weights
+    being there yet (the demo's base model is written by its prepare step)."""
     num_layers: Optional[int] = None
     """Number of transformer layers (HF ``num_hidden_layers``)."""
     hidden_size: Optional[int] = None
@@ -340,6 +345,7 @@ class Config:
 
 PATH_KEYS = (
     "model.hf_config",
+    "model.hf_weights",
     "data.train_files",
     "data.val_files",
     "data.tokenizer",
@@ -429,7 +435,15 @@ def config_from_dict(
     _resolve_paths(config, sources, source, base_dir)
     resolve_model_shape(config.model, _Where(sources, source))
     validate(config, sources=sources, default_source=source)
+    config._where = _Where(sources, source)  # not a field: never written to YAML
     return config
+
+
+def source_of(config: Config, *keys: str) -> str:
+    """Where the values of ``keys`` came from (the file, the command line, or both), for
+    messages about a loaded config; ``"config"`` for one not built by :func:`load_config`."""
+    where = getattr(config, "_where", None)
+    return where(*keys) if where is not None else "config"
 
 
 # --------------------------------------------------------------------------- model shape
@@ -464,8 +478,14 @@ class _Where:
         self.default = default
 
     def __call__(self, *keys: str) -> str:
-        found = list(dict.fromkeys(self.sources[key] for key in keys if key in self.sources))
-        return " and ".join(found) if found else self.default
+        """One source by name; several, each with its keys: ``command line (a.b) and run.yaml (c.d)``."""
+        by_source: dict[str, list[str]] = {}
+        for key in keys:
+            if key in self.sources:
+                by_source.setdefault(self.sources[key], []).append(key)
+        if len(by_source) <= 1:
+            return next(iter(by_source), self.default)
+        return " and ".join(f"{source} ({', '.join(names)})" for source, names in by_source.items())
 
 
 def hf_model_folder(hf_config: Optional[str | os.PathLike]) -> Optional[Path]:
@@ -474,6 +494,13 @@ def hf_model_folder(hf_config: Optional[str | os.PathLike]) -> Optional[Path]:
         return None
     path = Path(hf_config)
     return path if path.is_dir() else path.parent
+
+
+def hf_weights_folder(model: ModelConfig) -> Optional[Path]:
+    """The HF folder the run's initial weights and default tokenizer come from."""
+    if model.hf_weights is not None:
+        return Path(model.hf_weights)
+    return hf_model_folder(model.hf_config)
 
 
 def _config_json_path(hf_config: str | os.PathLike) -> Path:
@@ -750,6 +777,11 @@ def _validate_layout(config: Config, fail) -> None:
         )
     if m.fp8 and m.transformer_impl == "local":
         fail(("model.fp8",), "model.fp8=true needs model.transformer_impl=transformer_engine or auto")
+    if p.device == "cpu" and config.rollout.engine == "sglang":
+        fail(
+            ("rollout.engine", "parallel.device"),
+            "rollout.engine=sglang needs a GPU but parallel.device=cpu; use rollout.engine=hf (or auto)",
+        )
     if p.device == "cpu" and (m.fp8 or m.transformer_impl == "transformer_engine"):
         fail(
             ("model.transformer_impl", "model.fp8"),

@@ -12,7 +12,15 @@ in the two phases of a colocated DAPO step:
   parallelism, ``2h`` (``2h / tp``) with full recomputation; flash attention assumed, so
   no ``s^2`` term) + the chunked log-prob buffers + a fixed framework overhead;
 - **rollout**: the actor's weights, gradients and optimizer state stay resident, and
-  SGLang takes ``gpu_memory_utilization`` of the GPU for its weights and KV cache.
+  SGLang takes ``gpu_memory_utilization`` of the GPU for its weights and KV cache (the
+  transformers engine, ``rollout.engine=hf``, instead holds fp32 weights and a KV cache
+  for its share of the generation batch).
+
+On the CPU (``parallel.device=cpu``) there is no GPU: every actor rank and every engine is
+a process of one machine, all resident at once, so the plan adds them up against this
+machine's memory: fp32 weights, gradients and Adam state per rank, fp32 activations
+(twice the bf16 formula's bytes), each transformers engine's fp32 weights and KV cache,
+and a process overhead each. ``parallel.device=auto`` is planned as a GPU run.
 
 The activation formula is the one of Korthikanti et al. (2022) for bf16 transformer
 layers; these are estimates to size a job, not measurements. A layout that does not fit is
@@ -22,6 +30,7 @@ refused with the phase that overflows and the smallest single change that would 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -38,6 +47,9 @@ from dapo_megatron.config import (
 GIB = 2**30
 OVERHEAD_BYTES = 3 * GIB
 """CUDA context, NCCL buffers and allocator fragmentation, per GPU."""
+CPU_PROCESS_BYTES = 1 * GIB
+"""One CPU rank or engine process: importing torch, megatron-core, transformers and Ray
+alone takes 0.42 GiB of resident memory (measured on this project's CPU machine)."""
 LOGPROB_CHUNK_BYTES = 128 * 2**20
 """One chunk of fp32 logits in the fused log-prob (see actor/vocab_parallel.py)."""
 
@@ -81,9 +93,33 @@ def stage_parameters_per_gpu(config: Config) -> list[int]:
     return per_stage
 
 
+def planned_engine(config: Config) -> str:
+    """``sglang`` or ``hf``: ``rollout.engine``; ``auto`` is SGLang unless the run is on the CPU."""
+    if config.rollout.engine != "auto":
+        return config.rollout.engine
+    return "hf" if config.parallel.device == "cpu" else "sglang"
+
+
+def kv_cache_bytes_per_token(config: Config, dtype_bytes: int, tp_size: int = 1) -> float:
+    """Keys and values of every layer for one token, split over ``tp_size`` ranks."""
+    m = config.model
+    head_dim = m.hidden_size // m.num_attention_heads
+    return 2 * m.num_layers * m.num_query_groups * head_dim * dtype_bytes / tp_size
+
+
+def hf_engine_bytes(config: Config) -> tuple[int, int]:
+    """``(weights, KV cache)`` of one transformers engine: fp32 weights, and keys and values
+    for its share of a generation round at full length (the cache grows to that)."""
+    r, d = config.rollout, config.data
+    rows = (d.gen_batch_size or d.train_batch_size) * r.n_samples_per_prompt
+    rows_per_engine = -(-rows // r.num_engines)
+    length = r.max_prompt_length + r.max_response_length
+    return count_parameters(config) * 4, int(rows_per_engine * length * kv_cache_bytes_per_token(config, 4))
+
+
 @dataclass
 class MemoryEstimate:
-    """Bytes on one GPU of the heaviest pipeline stage."""
+    """Bytes on one GPU of the heaviest pipeline stage (or one CPU rank)."""
 
     parameters: int
     weights: int
@@ -98,14 +134,58 @@ class MemoryEstimate:
     sglang_kv_cache: int
     kv_cache_tokens: int
     overhead: int = OVERHEAD_BYTES
+    engine: str = "sglang"
+    """The engine planned: ``sglang`` or ``hf``."""
+    hf_engine_weights: int = 0
+    """One transformers engine's fp32 weights (``engine == "hf"``)."""
+    hf_engine_kv_cache: int = 0
+    """One transformers engine's KV cache for its share of a generation round."""
+    engines_per_gpu: int = 1
+    """Transformers engines on the busiest GPU (``engine == "hf"`` on a GPU)."""
 
     @property
     def train_phase(self) -> int:
         return self.weights + self.gradients + self.optimizer + self.activations + self.logprob + self.overhead
 
     @property
+    def hf_engine(self) -> int:
+        return self.hf_engine_weights + self.hf_engine_kv_cache
+
+    @property
     def rollout_phase(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.sglang + self.overhead
+        engines = self.sglang if self.engine == "sglang" else self.engines_per_gpu * self.hf_engine
+        return self.weights + self.gradients + self.optimizer + engines + self.overhead
+
+    @property
+    def sglang_weights_fit(self) -> bool:
+        return self.sglang_weights < self.sglang
+
+
+@dataclass
+class HostEstimate:
+    """The CPU runtime: every rank and engine process of one machine, resident at once."""
+
+    ranks: int
+    """Actor ranks on this machine."""
+    rank_bytes: int
+    """One rank: the train-phase terms in fp32 plus a process overhead."""
+    engines: int
+    """Rollout engine processes on this machine."""
+    engine_bytes: int
+    """One transformers engine: fp32 weights, KV cache, process overhead."""
+    available: int
+    """This machine's physical memory."""
+
+    @property
+    def total(self) -> int:
+        return self.ranks * self.rank_bytes + self.engines * self.engine_bytes
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def estimate_memory(config: Config) -> MemoryEstimate:
@@ -113,28 +193,34 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     m, p, r, t = config.model, config.parallel, config.rollout, config.trainer
     dp = data_parallel_size(p)
     params = max(stage_parameters_per_gpu(config))
-    param_bytes = 4 if m.params_dtype == "float32" else 2
+    on_cpu = p.device == "cpu"
+    param_bytes = 4 if m.params_dtype == "float32" or (on_cpu and m.params_dtype == "auto") else 2
+    # The activation formula counts 2-byte activations; fp32 runs hold twice that.
+    activation_scale = param_bytes / 2
     layers = max(pipeline_layer_split(m.num_layers, p))
     tokens = t.micro_batch_max_tokens
     h = m.hidden_size
     recompute_per_token_layer = 2 * h / (p.tp_size if p.sequence_parallel else 1)
     full_per_token_layer = h * 34 / p.tp_size if p.sequence_parallel else h * (10 + 24 / p.tp_size)
-    activations_recompute = int(layers * tokens * recompute_per_token_layer * p.pp_size)
-    activations_no_recompute = int(layers * tokens * full_per_token_layer * p.pp_size)
+    activations_recompute = int(layers * tokens * recompute_per_token_layer * p.pp_size * activation_scale)
+    activations_no_recompute = int(layers * tokens * full_per_token_layer * p.pp_size * activation_scale)
     vocab_shard = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size) // p.tp_size
     chunk_tokens = min(tokens, max(16, LOGPROB_CHUNK_BYTES // (4 * vocab_shard)))
     logprob = 2 * chunk_tokens * vocab_shard * 4 + tokens * h * param_bytes
     gpu = int(p.gpu_memory_gb * GIB)
     sglang = int(r.gpu_memory_utilization * gpu)
     sglang_weights = count_parameters(config) * 2 // r.engine_tp_size
-    head_dim = h // m.num_attention_heads
-    kv_per_token = 2 * m.num_layers * m.num_query_groups * head_dim * 2 / r.engine_tp_size
+    kv_per_token = kv_cache_bytes_per_token(config, 2, r.engine_tp_size)
     kv_cache = max(0, sglang - sglang_weights)
+    engine = planned_engine(config)
+    hf_weights, hf_kv_cache = hf_engine_bytes(config) if engine == "hf" else (0, 0)
+    # Adam m and v in fp32, plus fp32 main weights when the parameters are not fp32.
+    optimizer_bytes = 8 if param_bytes == 4 else 12
     return MemoryEstimate(
         parameters=params,
         weights=params * param_bytes,
         gradients=params * 4,
-        optimizer=params * 12 // (dp if p.use_distributed_optimizer else 1),
+        optimizer=params * optimizer_bytes // (dp if p.use_distributed_optimizer else 1),
         activations=activations_recompute if m.recompute_activations else activations_no_recompute,
         activations_no_recompute=activations_no_recompute,
         activations_recompute=activations_recompute,
@@ -143,7 +229,32 @@ def estimate_memory(config: Config) -> MemoryEstimate:
         sglang_weights=sglang_weights,
         sglang_kv_cache=kv_cache,
         kv_cache_tokens=int(kv_cache // kv_per_token),
+        overhead=CPU_PROCESS_BYTES if on_cpu else OVERHEAD_BYTES,
+        engine=engine,
+        hf_engine_weights=hf_weights,
+        hf_engine_kv_cache=hf_kv_cache,
+        engines_per_gpu=-(-r.num_engines // p.world_size),
     )
+
+
+def estimate_host_memory(config: Config, memory: MemoryEstimate) -> HostEstimate:
+    """The CPU runtime's memory on one machine; ``memory`` is one rank's estimate."""
+    p, r = config.parallel, config.rollout
+    return HostEstimate(
+        ranks=p.num_devices_per_node,
+        rank_bytes=memory.train_phase,
+        engines=-(-r.num_engines // p.num_nodes),
+        engine_bytes=memory.hf_engine + CPU_PROCESS_BYTES,
+        available=machine_memory_bytes(),
+    )
+
+
+@dataclass
+class Problem:
+    """One reason a layout does not fit, and the keys whose values decide it."""
+
+    message: str
+    keys: tuple[str, ...]
 
 
 @dataclass
@@ -155,7 +266,9 @@ class Plan:
     padded_vocab: int
     layer_split: list[int]
     memory: MemoryEstimate
-    problems: list[str] = field(default_factory=list)
+    host: Optional[HostEstimate] = None
+    """The CPU runtime's whole-machine estimate (``parallel.device=cpu``)."""
+    problems: list[Problem] = field(default_factory=list)
     suggestion: Optional[str] = None
 
     @property
@@ -163,30 +276,99 @@ class Plan:
         return not self.problems
 
 
-def _problems(config: Config, memory: MemoryEstimate) -> list[str]:
+_ACTOR_KEYS = ("parallel.tp_size", "parallel.pp_size", "parallel.num_nodes", "parallel.num_devices_per_node")
+_TRAIN_KEYS = (*_ACTOR_KEYS, "trainer.micro_batch_max_tokens", "model.recompute_activations", "parallel.gpu_memory_gb")
+_HF_ENGINE_KEYS = (
+    "rollout.num_engines",
+    "rollout.max_prompt_length",
+    "rollout.max_response_length",
+    "data.train_batch_size",
+    "data.gen_batch_size",
+    "rollout.n_samples_per_prompt",
+)
+_ENGINE_KEYS = (
+    "rollout.num_engines",
+    "rollout.engine_tp_size",
+    "rollout.gpu_memory_utilization",
+    "parallel.gpu_memory_gb",
+)
+
+
+def smallest_sglang_fit(config: Config) -> Optional[str]:
+    """What would let one SGLang engine hold its weights and some KV cache: a wider engine
+    (fewer engines if colocated) or, at this width, a larger memory fraction."""
+    r, p = config.rollout, config.parallel
+    gpu = p.gpu_memory_gb * GIB
+    weights = count_parameters(config) * 2
+    for tp in (2, 4, 8, 16):
+        if tp > r.engine_tp_size and weights / tp < r.gpu_memory_utilization * gpu * 0.9:
+            engines = f" with rollout.num_engines={p.world_size // tp}" if r.colocate and p.world_size % tp == 0 else ""
+            return f"rollout.engine_tp_size={tp}{engines} ({weights / tp / GIB:.2f} GiB of weights per GPU)"
+    needed = weights / r.engine_tp_size / gpu / 0.9
+    if needed < 0.95:
+        return f"rollout.gpu_memory_utilization={math.ceil(needed * 100) / 100:g}"
+    return None
+
+
+def _problems(config: Config, memory: MemoryEstimate, host: Optional[HostEstimate]) -> list[Problem]:
+    r, world = config.rollout, config.parallel.world_size
+    if host is not None:
+        if host.total <= host.available:
+            return []
+        return [
+            Problem(
+                f"the CPU run needs {host.total / GIB:.1f} GiB ({host.ranks} ranks x {host.rank_bytes / GIB:.2f} GiB "
+                f"+ {host.engines} engines x {host.engine_bytes / GIB:.2f} GiB) > this machine's "
+                f"{host.available / GIB:.1f} GiB",
+                (*_TRAIN_KEYS, *_HF_ENGINE_KEYS),
+            )
+        ]
     gpu = int(config.parallel.gpu_memory_gb * GIB)
     problems = []
     if memory.train_phase > gpu:
         problems.append(
-            f"train phase needs {memory.train_phase / GIB:.1f} GiB per GPU > parallel.gpu_memory_gb="
-            f"{config.parallel.gpu_memory_gb:g} (activations {memory.activations / GIB:.1f} GiB)"
+            Problem(
+                f"train phase needs {memory.train_phase / GIB:.1f} GiB per GPU > parallel.gpu_memory_gb="
+                f"{config.parallel.gpu_memory_gb:g} (activations {memory.activations / GIB:.1f} GiB)",
+                _TRAIN_KEYS,
+            )
         )
-    if memory.rollout_phase > gpu:
+    if memory.engine == "sglang" and not memory.sglang_weights_fit:
+        fix = smallest_sglang_fit(config)
         problems.append(
-            f"rollout phase needs {memory.rollout_phase / GIB:.1f} GiB per GPU > parallel.gpu_memory_gb="
-            f"{config.parallel.gpu_memory_gb:g} (SGLang rollout.gpu_memory_utilization="
-            f"{config.rollout.gpu_memory_utilization:g} on top of the resident actor)"
+            Problem(
+                f"one SGLang engine's weights alone ({memory.sglang_weights / GIB:.2f} GiB per GPU at "
+                f"rollout.engine_tp_size={r.engine_tp_size}) exceed its rollout.gpu_memory_utilization="
+                f"{r.gpu_memory_utilization:g} x {config.parallel.gpu_memory_gb:g} GiB = {memory.sglang / GIB:.2f} GiB"
+                + (f"; {fix} would fit them" if fix else ""),
+                _ENGINE_KEYS,
+            )
         )
-    r, world = config.rollout, config.parallel.world_size
-    if r.colocate and r.num_engines * r.engine_tp_size != world:
-        problems.append(
-            f"colocated engines must cover the actor's GPUs: rollout.num_engines x rollout.engine_tp_size = "
-            f"{r.num_engines} x {r.engine_tp_size} = {r.num_engines * r.engine_tp_size}, world size {world}"
+    elif memory.rollout_phase > gpu:
+        engines = (
+            f"SGLang rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}"
+            if memory.engine == "sglang"
+            else f"{memory.engines_per_gpu} transformers engine(s) of {memory.hf_engine / GIB:.1f} GiB"
         )
-    if config.rollout.engine != "hf" and memory.sglang_kv_cache <= 0:
         problems.append(
-            f"SGLang weights ({memory.sglang_weights / GIB:.1f} GiB per GPU at rollout.engine_tp_size="
-            f"{config.rollout.engine_tp_size}) leave no KV cache within rollout.gpu_memory_utilization"
+            Problem(
+                f"rollout phase needs {memory.rollout_phase / GIB:.1f} GiB per GPU > parallel.gpu_memory_gb="
+                f"{config.parallel.gpu_memory_gb:g} ({engines} on top of the resident actor)",
+                _ENGINE_KEYS if memory.engine == "sglang" else (*_HF_ENGINE_KEYS, "parallel.gpu_memory_gb"),
+            )
+        )
+    if memory.engine == "sglang" and r.colocate and r.num_engines * r.engine_tp_size != world:
+        problems.append(
+            Problem(
+                f"colocated engines must cover the actor's GPUs: rollout.num_engines x rollout.engine_tp_size = "
+                f"{r.num_engines} x {r.engine_tp_size} = {r.num_engines * r.engine_tp_size}, world size {world}",
+                (
+                    "rollout.num_engines",
+                    "rollout.engine_tp_size",
+                    "parallel.num_nodes",
+                    "parallel.num_devices_per_node",
+                ),
+            )
         )
     return problems
 
@@ -197,7 +379,8 @@ def _candidate_changes(config: Config) -> list[tuple[str, str]]:
     m, p, r, t = config.model, config.parallel, config.rollout, config.trainer
     changes = []
     world = p.world_size
-    if r.colocate and r.num_engines * r.engine_tp_size != world and world % r.engine_tp_size == 0:
+    sglang = planned_engine(config) == "sglang" and p.device != "cpu"
+    if sglang and r.colocate and r.num_engines * r.engine_tp_size != world and world % r.engine_tp_size == 0:
         changes.append((f"rollout.num_engines={world // r.engine_tp_size}", "one engine per engine_tp_size GPUs"))
     if not m.recompute_activations:
         changes.append(("model.recompute_activations=true", "recompute activations in backward"))
@@ -206,13 +389,16 @@ def _candidate_changes(config: Config) -> list[tuple[str, str]]:
     longest = r.max_prompt_length + r.max_response_length
     if t.micro_batch_max_tokens // 2 >= longest:
         changes.append((f"trainer.micro_batch_max_tokens={t.micro_batch_max_tokens // 2}", "halve the token budget"))
-    for fraction in (0.8, 0.7, 0.6, 0.5, 0.4):
-        if fraction < r.gpu_memory_utilization:
-            changes.append((f"rollout.gpu_memory_utilization={fraction}", "give SGLang less memory"))
+    if sglang:
+        for fraction in (0.8, 0.7, 0.6, 0.5, 0.4):
+            if fraction < r.gpu_memory_utilization:
+                changes.append((f"rollout.gpu_memory_utilization={fraction}", "give SGLang less memory"))
+    elif r.num_engines > 1:
+        changes.append((f"rollout.num_engines={r.num_engines // 2}", "half as many transformers engines"))
     changes.append((f"parallel.pp_size={p.pp_size * 2}", "more pipeline stages"))
     if p.tp_size < 8:
         changes.append((f"parallel.tp_size={p.tp_size * 2}", "wider tensor parallelism"))
-    if r.engine_tp_size < 8:
+    if sglang and r.engine_tp_size < 8:
         wider = r.engine_tp_size * 2
         engines = f" rollout.num_engines={world // wider}" if r.colocate and world % wider == 0 else ""
         changes.append((f"rollout.engine_tp_size={wider}{engines}", "wider SGLang engines"))
@@ -233,13 +419,15 @@ def make_plan(config: Config, *, suggest: bool = True) -> Plan:
     """Count, place and estimate; on overflow, search for the smallest change that fits."""
     m, p = config.model, config.parallel
     memory = estimate_memory(config)
+    host = estimate_host_memory(config, memory) if p.device == "cpu" else None
     plan = Plan(
         config=config,
         num_parameters=count_parameters(config),
         padded_vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size),
         layer_split=pipeline_layer_split(m.num_layers, p),
         memory=memory,
-        problems=_problems(config, memory),
+        host=host,
+        problems=_problems(config, memory, host),
     )
     if plan.problems and suggest:
         for override, why in _candidate_changes(config):
@@ -251,40 +439,78 @@ def make_plan(config: Config, *, suggest: bool = True) -> Plan:
                 plan.suggestion = f"{override} ({why})"
                 break
         else:
-            plan.suggestion = "no single change fits; use more nodes (parallel.num_nodes)"
+            if host is not None:
+                plan.suggestion = (
+                    f"no single change fits in this machine's {host.available / GIB:.1f} GiB; run on a machine with "
+                    f"at least {host.total / GIB:.1f} GiB, or a GPU"
+                )
+            else:
+                plan.suggestion = "no single change fits; use more nodes (parallel.num_nodes)"
     return plan
 
 
 def format_plan(plan: Plan) -> str:
     """The table ``dapo-megatron plan`` prints."""
-    c, mem = plan.config, plan.memory
+    c, mem, host = plan.config, plan.memory, plan.host
     p, r = c.parallel, c.rollout
     gib = lambda b: f"{b / GIB:8.2f} GiB"  # noqa: E731
+    row = lambda label, b: f"  {label:<31}{gib(b)}"  # noqa: E731
+    dtype = "fp32" if mem.weights == 4 * mem.parameters else "bf16"
+    where = "per CPU rank" if host is not None else "per GPU, heaviest stage"
+    if mem.engine == "sglang":
+        engines = f"{r.num_engines} SGLang engines x tp {r.engine_tp_size}, gpu_memory_utilization {r.gpu_memory_utilization:g}"
+    else:
+        engines = f"{r.num_engines} transformers engine(s) (fp32), on the {'CPU' if host is not None else 'GPUs'}"
     lines = [
         f"model: {plan.num_parameters:,} parameters ({c.model.num_layers} layers, hidden {c.model.hidden_size}, "
         f"vocab {c.model.vocab_size} padded to {plan.padded_vocab})",
         f"layout: world {p.world_size} = tp {p.tp_size} x pp {p.pp_size} x dp {data_parallel_size(p)} x cp {p.cp_size}; "
         f"layers per stage {plan.layer_split}; sequence_parallel={p.sequence_parallel}; "
         f"recompute={c.model.recompute_activations}",
-        f"rollout: {r.num_engines} SGLang engines x tp {r.engine_tp_size}, gpu_memory_utilization {r.gpu_memory_utilization:g}",
-        f"per GPU, heaviest stage ({mem.parameters:,} parameters):",
-        f"  weights (bf16)                 {gib(mem.weights)}",
-        f"  gradients (fp32 buffer)        {gib(mem.gradients)}",
-        f"  optimizer (fp32 main+m+v / dp) {gib(mem.optimizer)}",
-        f"  activations ({c.trainer.micro_batch_max_tokens} tokens x {p.pp_size} in flight, "
-        f"{'with' if c.model.recompute_activations else 'without'} recompute) {gib(mem.activations)}",
+        f"rollout: {engines}",
+        f"{where} ({mem.parameters:,} parameters):",
+        row(f"weights ({dtype})", mem.weights),
+        row("gradients (fp32 buffer)", mem.gradients),
+        row(f"optimizer (fp32 {'m+v' if dtype == 'fp32' else 'main+m+v'} / dp)", mem.optimizer),
+        row(
+            f"activations ({c.trainer.micro_batch_max_tokens} tokens x {p.pp_size} in flight, "
+            f"{'with' if c.model.recompute_activations else 'without'} recompute)",
+            mem.activations,
+        ),
         f"    (without recompute {mem.activations_no_recompute / GIB:.2f} GiB, with {mem.activations_recompute / GIB:.2f} GiB)",
-        f"  log-prob buffers               {gib(mem.logprob)}",
-        f"  framework overhead             {gib(mem.overhead)}",
-        f"  = train phase                  {gib(mem.train_phase)}",
-        f"  SGLang (weights {mem.sglang_weights / GIB:.2f} GiB + KV cache {mem.sglang_kv_cache / GIB:.2f} GiB "
-        f"= {mem.kv_cache_tokens:,} tokens) {gib(mem.sglang)}",
-        f"  = rollout phase                {gib(mem.rollout_phase)}",
-        f"GPU memory: {p.gpu_memory_gb:g} GiB",
+        row("log-prob buffers", mem.logprob),
+        row(f"{'process' if host is not None else 'framework'} overhead", mem.overhead),
+        row("= train phase", mem.train_phase),
     ]
+    if mem.engine == "hf":
+        lines.append(
+            row(
+                f"transformers engine (weights {mem.hf_engine_weights / GIB:.2f} GiB + KV cache "
+                f"{mem.hf_engine_kv_cache / GIB:.2f} GiB)",
+                mem.hf_engine,
+            )
+        )
+    elif mem.sglang_weights_fit:
+        lines.append(
+            f"  SGLang {r.gpu_memory_utilization:g} x {p.gpu_memory_gb:g} GiB = weights {mem.sglang_weights / GIB:.2f} GiB "
+            f"+ KV cache {mem.sglang_kv_cache / GIB:.2f} GiB ({mem.kv_cache_tokens:,} tokens) {gib(mem.sglang)}"
+        )
+    else:
+        fix = smallest_sglang_fit(c)
+        lines.append(
+            f"  SGLang {r.gpu_memory_utilization:g} x {p.gpu_memory_gb:g} GiB = {mem.sglang / GIB:.2f} GiB: the weights "
+            f"alone ({mem.sglang_weights / GIB:.2f} GiB per GPU) do not fit" + (f"; {fix} would" if fix else "")
+        )
+    if host is not None:
+        lines += [
+            f"this machine: {host.ranks} ranks x {host.rank_bytes / GIB:.2f} GiB + {host.engines} engine process(es) x "
+            f"{host.engine_bytes / GIB:.2f} GiB = {gib(host.total).strip()} of {host.available / GIB:.1f} GiB",
+        ]
+    else:
+        lines += [row("= rollout phase", mem.rollout_phase), f"GPU memory: {p.gpu_memory_gb:g} GiB"]
     if plan.fits:
         lines.append("fits")
     else:
-        lines += [f"does not fit: {problem}" for problem in plan.problems]
+        lines += [f"does not fit: {problem.message}" for problem in plan.problems]
         lines.append(f"smallest change that fits: {plan.suggestion}")
     return "\n".join(lines)

@@ -29,7 +29,7 @@ from dapo_megatron.actor.batch import PolicyBatch
 from dapo_megatron.algo import DynamicSamplingAccumulator
 from dapo_megatron.algo.metrics import rollout_consistency
 from dapo_megatron.algo.rewards.pool import RewardPool
-from dapo_megatron.config import Config, ConfigError, hf_model_folder
+from dapo_megatron.config import Config, ConfigError, hf_weights_folder
 from dapo_megatron.data import PromptDataset, PromptLoader, load_tokenizer
 from dapo_megatron.experience import (
     Sample,
@@ -82,7 +82,7 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
     (run_dir / "config.yaml").write_text(config.to_yaml())
     r, a, d = config.rollout, config.algorithm, config.data
 
-    tokenizer = load_tokenizer(d, config.model.hf_config)
+    tokenizer = load_tokenizer(d, hf_weights_folder(config.model))
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer of data.tokenizer={d.tokenizer!r} has no EOS token to stop responses on")
     train_data = PromptDataset(d.train_files, tokenizer, d, r.max_prompt_length)
@@ -290,11 +290,16 @@ def _load_initial_weights(actor: ActorGroup, config: Config) -> None:
         logger.info("initial weights from the Megatron checkpoint %s", path)
         actor.load_weights("megatron", str(path))
         return
-    folder = hf_model_folder(config.model.hf_config)
+    folder = hf_weights_folder(config.model)
     if folder is not None and any(folder.glob("*.safetensors")):
         logger.info("initial weights from the HF checkpoint %s (converted on load)", folder)
         actor.load_weights("hf", str(folder))
         return
+    if config.model.hf_weights is not None:
+        raise ConfigError(
+            f"model.hf_weights={config.model.hf_weights!r} holds no *.safetensors files; point it at an HF model "
+            f"folder (for the demo, run `make demo` or examples/demo/prepare.py first)"
+        )
     logger.warning("no checkpoint.load_dir and no safetensors next to model.hf_config: training from random weights")
 
 

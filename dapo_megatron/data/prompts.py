@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from dapo_megatron.config import ConfigError, DataConfig, hf_model_folder
+from dapo_megatron.config import ConfigError, DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +54,17 @@ class Prompt:
     """The rendered prompt."""
 
 
-def load_tokenizer(data: DataConfig, hf_config: Optional[str]):
-    """The HF tokenizer of ``data.tokenizer``, or of the model's folder."""
+def load_tokenizer(data: DataConfig, model_folder: Optional[Path]):
+    """The HF tokenizer of ``data.tokenizer``, or of the model's folder (``hf_weights_folder``)."""
     from transformers import AutoTokenizer
 
     folder = data.tokenizer
-    if folder is None and hf_config is not None:
-        folder = str(hf_model_folder(hf_config))
+    if folder is None and model_folder is not None:
+        folder = str(model_folder)
     if folder is None:
-        raise ConfigError("data.tokenizer is unset and model.hf_config names no folder; set data.tokenizer")
+        raise ConfigError(
+            "data.tokenizer is unset and neither model.hf_weights nor model.hf_config names a folder; set data.tokenizer"
+        )
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as exc:

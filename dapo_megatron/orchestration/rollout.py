@@ -21,7 +21,7 @@ from typing import Optional
 import ray
 import torch
 
-from dapo_megatron.config import Config, hf_model_folder
+from dapo_megatron.config import Config, hf_weights_folder
 from dapo_megatron.orchestration.calls import call_all, stop_all
 from dapo_megatron.rollout.engine import Generation, SamplingParams
 
@@ -109,10 +109,11 @@ def _build_engine(config: Config, index: int):
         return HFRolloutEngine.from_model_config(config.model, device=device)
     from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 
-    if config.model.hf_config is None:
-        raise ValueError("the SGLang engine needs model.hf_config (an HF folder to start from)")
+    folder = hf_weights_folder(config.model)
+    if folder is None:
+        raise ValueError("the SGLang engine needs model.hf_weights or model.hf_config (an HF folder to start from)")
     return SGLangRolloutEngine(
-        str(hf_model_folder(config.model.hf_config)),
+        str(folder),
         tp_size=rollout.engine_tp_size,
         mem_fraction_static=rollout.gpu_memory_utilization,
         seed=rollout.seed + index,

@@ -9,7 +9,7 @@ form but is often wrong. The demo makes one in seconds on a CPU:
 - **Tokenizer**: a 16-token Hugging Face tokenizer (digits, ``+``, ``=``, ``Answer: ``,
   newline, EOS, PAD), saved with ``transformers`` so the trainer loads it like any other.
 - **Base model**: a tiny Qwen2 (3 layers, hidden 128, 4 heads, 2 KV heads, tied
-  embeddings), supervised for a few hundred steps on a deliberately imperfect rule,
+  embeddings; its architecture is ``model_config.json`` next to this file), supervised for a few hundred steps on a deliberately imperfect rule,
   ``(a+b) mod 10``: it answers in the right form and is right only when there is no
   carry. DAPO then has to discover the carry from the reward alone.
 
@@ -29,12 +29,10 @@ from pathlib import Path
 import torch
 
 VOCAB = ["<pad>", "<eos>", *[str(d) for d in range(10)], "+", "=", "Answer: ", "\n"]
+MODEL_CONFIG = Path(__file__).with_name("model_config.json")
+"""The base model's architecture, committed so that demo.yaml names it before this runs."""
 RECIPE = {
-    "layers": 3,
-    "hidden": 128,
-    "heads": 4,
-    "kv_heads": 2,
-    "ffn": 512,
+    "model": json.loads(MODEL_CONFIG.read_text()),
     "sft_steps": 600,
     "sft_batch": 64,
     "sft_lr": 1e-3,
@@ -77,20 +75,13 @@ def warm_up(out: Path, tokenizer) -> float:
 
     torch.manual_seed(RECIPE["seed"])
     rng = random.Random(RECIPE["seed"])
-    config = Qwen2Config(
-        vocab_size=len(VOCAB),
-        hidden_size=RECIPE["hidden"],
-        intermediate_size=RECIPE["ffn"],
-        num_hidden_layers=RECIPE["layers"],
-        num_attention_heads=RECIPE["heads"],
-        num_key_value_heads=RECIPE["kv_heads"],
-        tie_word_embeddings=True,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = Qwen2Config.from_json_file(MODEL_CONFIG)
+    if (config.vocab_size, config.eos_token_id, config.pad_token_id) != (
+        len(VOCAB),
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    ):
+        raise SystemExit(f"{MODEL_CONFIG} disagrees with the demo tokenizer (vocabulary, EOS or PAD id)")
     model = Qwen2ForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE["sft_lr"])
     answer = tokenizer.convert_tokens_to_ids("Answer: ")

@@ -208,7 +208,9 @@ def test_overrides_with_type_coercion():
 def test_divisibility_errors_suggest_the_nearest_valid_values_and_blame_every_source(tmp_path):
     path = write_yaml(tmp_path, tiny())  # tp 2, pp 2, 4 ranks, 4 layers, 8 heads / 4 groups
     message = error_of(path, ["parallel.num_devices_per_node=6"])
-    assert message.startswith(f"{path} and command line: world size 6 "), message
+    assert message.startswith(
+        f"{path} (parallel.tp_size, parallel.pp_size) and command line (parallel.num_devices_per_node): world size 6 "
+    ), message
     assert message.endswith("must be divisible by tp_size*pp_size*cp_size=2*2*1=4; nearest valid parallel.tp_size: 1")
     assert error_of(path, ["parallel.pp_size=3", "parallel.num_devices_per_node=6"]).endswith(
         "parallel.pp_size=3 must divide model.num_layers=4 (or set parallel.num_layers_in_first_pipeline_stage / "
@@ -217,15 +219,16 @@ def test_divisibility_errors_suggest_the_nearest_valid_values_and_blame_every_so
     # 8 prompts x 4 responses = 32; dp = 2 (8 ranks / tp 2 / pp 2).
     message = error_of(path, ["data.mini_batch_size=12", "parallel.num_devices_per_node=8"])
     assert message == (
-        f"command line and {path}: data.mini_batch_size=12 must divide data.train_batch_size x "
+        f"command line (data.mini_batch_size) and {path} (data.train_batch_size, rollout.n_samples_per_prompt): "
+        "data.mini_batch_size=12 must divide data.train_batch_size x "
         "rollout.n_samples_per_prompt = 8 x 4 = 32; nearest valid data.mini_batch_size: 8 or 16"
     )
     # A command-line change to a value the file's key is checked against is blamed on both.
     message = error_of(path, ["data.train_batch_size=5"])
-    assert message.startswith(f"{path} and command line: data.mini_batch_size=16 must divide"), message
+    assert message.startswith(f"{path} (data.mini_batch_size, rollout.n_samples_per_prompt) and command line"), message
     assert message.endswith("nearest valid data.mini_batch_size: 10 or 20")
     message = error_of(path, ["parallel.dp_size=3"])
-    assert message.startswith("command line and ") and message.endswith(
+    assert message.startswith("command line (parallel.dp_size) and ") and message.endswith(
         "with this tp, pp and cp: parallel.dp_size=1 (or unset it)"
     )
 
@@ -280,7 +283,8 @@ def test_override_errors_name_the_command_line():
     # An override that breaks a layout rule is blamed on the command line (and on the file
     # that set the value it is checked against).
     assert error_of(TINY, ["parallel.tp_size=3", "parallel.num_devices_per_node=6"]) == (
-        f"command line and {TINY}: parallel.tp_size=3 must divide model.num_attention_heads=8; "
+        f"command line (parallel.tp_size) and {TINY} (model.num_attention_heads): "
+        "parallel.tp_size=3 must divide model.num_attention_heads=8; "
         "nearest valid parallel.tp_size: 2 or 4"
     )
 

@@ -18,9 +18,12 @@ RECIPE = ROOT / "examples" / "qwen2_5_32b" / "dapo.yaml"
 SHARED_CONFIG = ROOT.parent / "shared" / "models" / "qwen2_5_32b_config.json"
 
 
+DEMO = ROOT / "examples" / "demo" / "demo.yaml"
+
+
 @pytest.fixture(autouse=True)
-def _repo_cwd(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
+def _elsewhere(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # a config's paths are relative to its own folder, not the cwd
 
 
 def test_recipe_has_the_papers_settings():
@@ -101,14 +104,14 @@ def test_plan_counts_parameters_exactly_and_matches_a_hand_computation():
         ),
         (
             ["rollout.engine_tp_size=1", "rollout.num_engines=128"],
-            "leave no KV cache",
+            "one SGLang engine's weights alone (61.03 GiB per GPU at rollout.engine_tp_size=1) exceed",
             "rollout.engine_tp_size=2 rollout.num_engines=64",
         ),
     ],
 )
 def test_plan_refuses_layouts_that_cannot_fit(overrides, reason, suggestion, capsys):
     plan = make_plan(load_config(RECIPE, overrides))
-    assert not plan.fits and any(reason in p for p in plan.problems), plan.problems
+    assert not plan.fits and any(reason in p.message for p in plan.problems), plan.problems
     assert suggestion in plan.suggestion
     assert main(["plan", str(RECIPE), *overrides]) == 2
     err = capsys.readouterr().err
@@ -131,6 +134,66 @@ def test_plan_refuses_impossible_layouts(overrides, message, capsys):
         load_config(RECIPE, overrides)
     assert main(["plan", str(RECIPE), *overrides]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_cpu_example_validates_and_plans_without_overrides(capsys):
+    """The demo config, before its prepare step has run: CPU ranks and a transformers engine."""
+    assert main(["config", str(DEMO)]) == 0
+    assert main(["plan", str(DEMO)]) == 0
+    out = capsys.readouterr().out
+    assert "transformers engine" in out and "SGLang" not in out and "GPU" not in out
+    assert "this machine: 2 ranks" in out and out.rstrip().endswith("fits")
+    plan = make_plan(load_config(DEMO))
+    assert plan.fits and plan.host is not None and plan.memory.engine == "hf"
+    # By hand: 740,992 parameters (tied, one stage), fp32, dp = 2, on each of 2 ranks.
+    params = 3 * ((128 * 128 + 128 + 2 * (128 * 64 + 64)) + 128 * 128 + 3 * 128 * 512 + 2 * 128) + 128 + 16 * 128
+    mem = plan.memory
+    assert plan.num_parameters == mem.parameters == params == 740_992
+    assert (mem.weights, mem.gradients, mem.optimizer) == (4 * params, 4 * params, 8 * params // 2)
+    assert mem.activations == 3 * 2048 * 128 * 34 * 2  # h * (10 + 24/tp) bytes in bf16, doubled in fp32
+    # The engine: fp32 weights, and keys and values (3 layers x 2 groups x 32 dims, fp32) for
+    # 32 prompts x 8 samples at the full 8 + 6 tokens.
+    assert mem.hf_engine_weights == 4 * params
+    assert mem.hf_engine_kv_cache == 256 * 14 * (2 * 3 * 2 * 32 * 4)
+    assert plan.host.total == 2 * (mem.train_phase) + mem.hf_engine + GIB
+    assert mem.train_phase == 4 * params + 4 * params + 4 * params + mem.activations + mem.logprob + GIB
+
+
+def test_a_cpu_run_that_does_not_fit_is_not_told_to_add_gpu_nodes(capsys):
+    overrides = ["data.train_batch_size=4096", "data.gen_batch_size=4096", "rollout.max_response_length=100000"]
+    overrides += ["trainer.micro_batch_max_tokens=100008", "algorithm.overlong_buffer_len=4"]
+    plan = make_plan(load_config(DEMO, overrides))
+    assert not plan.fits and plan.problems[0].message.startswith("the CPU run needs")
+    assert "nodes" not in plan.suggestion and "GiB" in plan.suggestion
+    assert main(["plan", str(DEMO), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"error: {DEMO} (parallel.tp_size, parallel.pp_size, parallel.num_devices_per_node, rollout.num_engines, "
+        "rollout.max_prompt_length, rollout.n_samples_per_prompt) and command line (trainer.micro_batch_max_tokens, "
+        "rollout.max_response_length, data.train_batch_size, data.gen_batch_size): layout does not fit: the CPU run"
+    ) in err, err
+
+
+def test_a_transformers_engine_on_gpus_is_planned_as_one(capsys):
+    plan = make_plan(load_config(DEMO, ["parallel.device=cuda", "rollout.engine=hf"]))
+    assert plan.fits and plan.host is None and plan.memory.engine == "hf"
+    assert plan.memory.rollout_phase == (
+        plan.memory.weights + plan.memory.gradients + plan.memory.optimizer + plan.memory.hf_engine + 3 * GIB
+    )
+    with pytest.raises(ConfigError, match="rollout.engine=sglang needs a GPU but parallel.device=cpu"):
+        load_config(DEMO, ["rollout.engine=sglang"])
+
+
+def test_an_engine_whose_weights_alone_do_not_fit_says_so_and_what_would(capsys):
+    overrides = ["rollout.engine_tp_size=1", "rollout.num_engines=128", "rollout.gpu_memory_utilization=0.6"]
+    assert main(["plan", str(RECIPE), *overrides]) == 2
+    out, err = capsys.readouterr()
+    assert "KV cache" not in out.split("= train phase")[1]
+    assert (
+        "SGLang 0.6 x 80 GiB = 48.00 GiB: the weights alone (61.03 GiB per GPU) do not fit; "
+        "rollout.engine_tp_size=2 with rollout.num_engines=64 (30.51 GiB of weights per GPU) would"
+    ) in out
+    assert "error: command line (rollout.num_engines, rollout.engine_tp_size, rollout.gpu_memory_utilization)" in err
 
 
 def test_plan_cli_prints_the_table(capsys):
