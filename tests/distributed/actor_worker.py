@@ -46,6 +46,28 @@ def make_batch(seed: int, response_lengths: list[int], prompt_lengths: list[int]
     return batch
 
 
+def tiny_hf_qwen2(tied: bool, seed: int, vocab_size: int = 120, **config):
+    """A random transformers Qwen2 of the actor tests' shape (vocabulary 120: padded to 128)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=tied,
+            **config,
+        )
+    )
+
+
 def _actor(cfg, info):
     return MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
 

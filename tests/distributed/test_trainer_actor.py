@@ -11,6 +11,7 @@ import torch
 from dapo_megatron.ckpt.convert import hf_to_megatron
 from dapo_megatron.runtime.launch import launch_local
 from tests.distributed import layout_worker, trainer_worker
+from tests.distributed.actor_worker import tiny_hf_qwen2
 
 
 def test_first_update_ratio_is_one_at_the_sampling_temperature(tmp_path):
@@ -27,7 +28,7 @@ def test_first_update_ratio_is_one_at_the_sampling_temperature(tmp_path):
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_weights_straight_from_hf_equal_the_converted_checkpoint(tmp_path, tp_size):
-    _tiny_hf(tied=False, seed=0).save_pretrained(tmp_path / "hf")
+    tiny_hf_qwen2(tied=False, seed=0).save_pretrained(tmp_path / "hf")
     hf_to_megatron(tmp_path / "hf", tmp_path / "converted", verify=False, progress=False)
     launch_local(trainer_worker.hf_against_converted, tp_size, (str(tmp_path), tp_size))
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob(f"hf_load_tp{tp_size}_rank*.json"))]
@@ -41,7 +42,7 @@ def test_weights_straight_from_hf_equal_the_converted_checkpoint(tmp_path, tp_si
 @pytest.mark.parametrize(("tp_size", "pp_size"), [(1, 2), (2, 1)])
 def test_tied_weights_straight_from_hf_match_transformers(tmp_path, tp_size, pp_size):
     """Tied embeddings: at pp > 1 the last stage's output layer is a copy of the embedding."""
-    model = _tiny_hf(tied=True, seed=1).eval()
+    model = tiny_hf_qwen2(tied=True, seed=1).eval()
     model.save_pretrained(tmp_path / "hf_tied")
     launch_local(trainer_worker.hf_log_probs, tp_size * pp_size, (str(tmp_path), tp_size, pp_size))
     result = torch.load(tmp_path / f"hf_tied_tp{tp_size}_pp{pp_size}.pt")
@@ -66,24 +67,3 @@ def test_a_mini_batch_without_loss_tokens_is_skipped_and_bad_ids_refused(tmp_pat
     refusals = sorted(report["refused"] for report in reports)
     assert "1 response token id(s) on another data-parallel rank are outside the vocabulary of 128" in refusals[0]
     assert "token id 10000 is a response token but the vocabulary has 128 ids" in refusals[1]
-
-
-def _tiny_hf(tied: bool, seed: int):
-    """A random tiny Qwen2 matching the actor tests' shape (vocabulary 120: padded to 128)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=120,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            rms_norm_eps=1e-6,
-            rope_theta=1e6,
-            tie_word_embeddings=tied,
-        )
-    )

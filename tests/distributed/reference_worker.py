@@ -1,0 +1,98 @@
+"""Rank body for the independent-reference test: one DAPO step of the Megatron actor,
+with the reduced gradient of every mini-batch captured just before its optimizer step.
+
+The gradient is read where megatron's optimizer reads it (the DDP grad buffer after
+``finalize_model_grads``). With the distributed optimizer each data-parallel rank holds
+only its reduce-scattered shard of every bucket, so the shards are all-gathered first;
+the optimizer reads only its own shard, which is left unchanged. Full tensors are then
+mapped to HF names through the converter's mapping (the same one weight sync uses), by
+exporting the gradients as if they were the weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.actor.batch import shard_for_data_parallel
+from dapo_megatron.actor.checkpoint import load_hf_model_weights
+from dapo_megatron.actor.megatron_actor import MegatronActor
+from dapo_megatron.actor.weight_sync import iter_hf_tensors
+from dapo_megatron.runtime.distributed import megatron_runtime
+from tests.distributed.actor_worker import actor_config, make_batch
+
+VOCAB = 120
+NUM_MINI_BATCHES = 2
+RESPONSE_LENGTHS = [9, 3, 12, 5, 5, 11, 2, 7]  # odd token totals: data-parallel shares differ
+PROMPT_LENGTHS = [4, 6, 3, 5, 7, 2, 5, 4]
+
+
+def reference_batch():
+    batch = make_batch(21, RESPONSE_LENGTHS, PROMPT_LENGTHS)
+    batch.tokens %= VOCAB
+    return batch
+
+
+def _full_gradients_in_buffers(actor) -> None:
+    """All-gather every bucket's reduce-scattered shards over the data-parallel group."""
+    dp_size = dist.get_world_size(actor.dp_group)
+    if dp_size == 1:
+        return
+    dp_rank = dist.get_rank(actor.dp_group)
+    for buffer in actor.ddp.buffers:
+        for bucket in buffer.buckets:
+            data = bucket.grad_data
+            shard = data.numel() // dp_size
+            assert shard * dp_size == data.numel(), "bucket not padded to the data-parallel size"
+            parts = [torch.empty(shard, dtype=data.dtype) for _ in range(dp_size)]
+            dist.all_gather(parts, data[dp_rank * shard : (dp_rank + 1) * shard].clone(), group=actor.dp_group)
+            data.copy_(torch.cat(parts))
+
+
+def _hf_named(actor, tensors_of) -> dict[str, torch.Tensor]:
+    """This stage's HF tensors (on its tensor-parallel leader) with ``tensors_of(param)``
+    in place of each parameter's values."""
+    params = list(actor.gpt.parameters())
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.copy_(tensors_of(p))
+        exported = {name: tensor.clone() for name, tensor in iter_hf_tensors(actor)}
+        for p, value in zip(params, saved):
+            p.copy_(value)
+    return exported
+
+
+def dapo_step_with_gradients(workdir: str, tp_size: int, pp_size: int, dp_size: int) -> None:
+    cfg = actor_config(tp_size, pp_size, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
+    cfg.parallel.use_distributed_optimizer = True
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        for tied in (False, True):
+            cfg.model.tie_word_embeddings = tied
+            actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+            load_hf_model_weights(actor, os.path.join(workdir, f"hf_tied{int(tied)}"))
+            batch = reference_batch()
+            batch.old_log_probs, _ = actor.compute_log_probs(batch)  # on-policy: the first ratio is 1
+            captured: list[dict[str, torch.Tensor]] = []
+            weights_after: list[dict[str, torch.Tensor]] = []
+            step = actor.optimizer.step
+
+            def capturing_step(actor=actor, step=step, captured=captured, weights_after=weights_after):
+                _full_gradients_in_buffers(actor)
+                captured.append(_hf_named(actor, lambda p: p.main_grad))
+                result = step()
+                weights_after.append(_hf_named(actor, lambda p: p.detach()))
+                return result
+
+            actor.optimizer.step = capturing_step
+            shard = shard_for_data_parallel(batch, info.dp_rank, dp_size, NUM_MINI_BATCHES)
+            metrics = actor.train(shard, num_mini_batches=NUM_MINI_BATCHES)
+            if info.dp_rank == 0 and info.tp_rank == 0:
+                torch.save(
+                    {"gradients": captured, "weights_after": weights_after, "metrics": metrics},
+                    os.path.join(workdir, f"ref_tied{int(tied)}_stage{info.pp_rank}.pt"),
+                )
+            if info.rank == 0:
+                torch.save(batch, os.path.join(workdir, f"ref_batch_tied{int(tied)}.pt"))

@@ -1,0 +1,116 @@
+"""The actor's whole DAPO update against an implementation that shares nothing with it.
+
+Every other actor test compares the actor with itself (one layout against another, dp2
+against dp1). Here one rollout step of the Megatron actor (two mini-batches, several
+micro-batches per rank, the distributed optimizer) is compared with transformers' own
+``Qwen2ForCausalLM`` on the same weights in float64, under a DAPO loss written out below
+in plain PyTorch: the token mean over every loss token of the whole mini-batch. The first
+mini-batch is checked at the initial weights (on-policy: ratio exactly 1), the second at
+the weights the actor's first update produced (off-policy: ratios away from 1, some of
+them clipped), so the clip, the global token count and the gradient reduction over
+micro-batches, pipeline stages, tensor-parallel shards and data-parallel ranks are all
+checked against an independent number.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dapo_megatron.runtime.launch import launch_local
+from tests.distributed import reference_worker
+from tests.distributed.actor_worker import tiny_hf_qwen2
+
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # the actor's defaults (AlgorithmConfig)
+RELATIVE_TOLERANCE = 1e-5
+
+
+def _randomize_biases(model) -> None:
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.1)
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+
+
+def _float64_model(hf_dir, tied: bool, weights: dict[str, torch.Tensor] | None):
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, attn_implementation="eager")
+    if weights is not None:
+        missing, unexpected = model.load_state_dict({k: v.double() for k, v in weights.items()}, strict=False)
+        assert not unexpected and set(missing) <= ({"lm_head.weight"} if tied else set()), (missing, unexpected)
+    if tied:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+def _reference_loss(model, batch, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DAPO's token-level loss over ``rows``, in float64: returns (loss, ratios, mask)."""
+    tokens = batch.tokens[rows]
+    logits = model(input_ids=tokens).logits  # [rows, seq, vocab], float64
+    log_probs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    mask = batch.response_mask()[rows][:, 1:].bool()  # targets at positions 1..; none in column 0
+    old = batch.old_log_probs[rows][:, 1:].double()
+    advantages = batch.advantages[rows].double()[:, None].expand_as(log_probs)
+    ratio = torch.exp(log_probs - old)
+    per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+    loss = per_token[mask].sum() / mask.sum()
+    return loss, ratio.detach()[mask], mask
+
+
+def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for stage in saved:
+        assert not set(stage[key][index]) & set(merged)
+        merged.update(stage[key][index])
+    return merged
+
+
+@pytest.mark.parametrize(("tp_size", "pp_size", "dp_size"), [(2, 2, 1), (1, 2, 2)])
+def test_dapo_gradients_equal_an_independent_float64_reference(tmp_path, tp_size, pp_size, dp_size):
+    for tied in (False, True):
+        model = tiny_hf_qwen2(tied, seed=3 + tied, attn_implementation="eager")
+        _randomize_biases(model)
+        model.save_pretrained(tmp_path / f"hf_tied{int(tied)}")
+    launch_local(
+        reference_worker.dapo_step_with_gradients,
+        tp_size * pp_size * dp_size,
+        (str(tmp_path), tp_size, pp_size, dp_size),
+    )
+    for tied in (False, True):
+        stages = [torch.load(tmp_path / f"ref_tied{int(tied)}_stage{s}.pt") for s in range(pp_size)]
+        batch = torch.load(tmp_path / f"ref_batch_tied{int(tied)}.pt", weights_only=False)
+        metrics = stages[-1]["metrics"]
+        assert len(metrics) == reference_worker.NUM_MINI_BATCHES and all(m["num_micro_batches"] >= 2 for m in metrics)
+        # On-policy, the first mini-batch's ratio is exactly 1: old and new log-probs are
+        # the same computation on the same weights.
+        assert metrics[0]["ratio_mean"] == 1.0 and metrics[0]["ratio_max"] == 1.0, metrics[0]
+        assert metrics[0]["pg_clipfrac_low"] == metrics[0]["pg_clipfrac_high"] == 0.0
+        rows_per_mini = batch.num_rows // reference_worker.NUM_MINI_BATCHES
+        hf_dir = tmp_path / f"hf_tied{int(tied)}"
+        for index in range(reference_worker.NUM_MINI_BATCHES):
+            actor_gradients = _merged(stages, "gradients", index)
+            # Mini-batch k is taken at the weights the actor had before its update k.
+            weights = None if index == 0 else _merged(stages, "weights_after", index - 1)
+            model = _float64_model(hf_dir, tied, weights)
+            rows = list(range(index * rows_per_mini, (index + 1) * rows_per_mini))
+            loss, ratios, _ = _reference_loss(model, batch, rows)
+            loss.backward()
+            assert abs(metrics[index]["loss"] - loss.item()) <= 1e-5 * max(1.0, abs(loss.item()))
+            if index == 0:
+                assert (ratios - 1).abs().max() < 1e-5
+            else:
+                # Off-policy now, and some tokens are clipped; none sits so close to a clip
+                # boundary that fp32 and fp64 could fall on different sides of it.
+                clipped = (ratios < 1 - CLIP_LOW) | (ratios > 1 + CLIP_HIGH)
+                assert clipped.any() and (ratios - 1).abs().max() > 0.05
+                boundary = torch.minimum((ratios - (1 - CLIP_LOW)).abs(), (ratios - (1 + CLIP_HIGH)).abs())
+                assert boundary.min() > 1e-4
+            reference = {name: p.grad for name, p in model.named_parameters()}
+            assert sorted(actor_gradients) == sorted(reference)
+            for name, expected in reference.items():
+                got = actor_gradients[name].double()
+                error = (got - expected).norm() / expected.norm()
+                assert error <= RELATIVE_TOLERANCE, (tied, index, name, float(error))
