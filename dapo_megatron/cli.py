@@ -19,6 +19,8 @@ from dapo_megatron import __version__
 from dapo_megatron.config import ConfigError, load_config, source_of
 
 EXIT_USAGE = 2
+EXIT_PREEMPTED = 75
+"""``train`` stopped by SIGTERM/SIGUSR1 after saving (EX_TEMPFAIL: run it again with --resume)."""
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -47,24 +49,63 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     import logging
 
-    from dapo_megatron.trainer import train
+    from dapo_megatron.trainer import Preempted, TrainingDiverged, train
 
     config = load_config(args.file, args.overrides)
     logging.basicConfig(
         level=config.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     from dapo_megatron.algo import DynamicSamplingExhausted
+    from dapo_megatron.orchestration.calls import MemberFailed
 
     try:
-        result = train(config)
-    except DynamicSamplingExhausted as exc:
+        result = train(config, resume=args.resume)
+    except (DynamicSamplingExhausted, TrainingDiverged) as exc:
         print(f"dapo-megatron train: error: {exc}", file=sys.stderr)
+        return 1
+    except Preempted as exc:
+        print(f"dapo-megatron train: {exc}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except MemberFailed as exc:
+        print(f"dapo-megatron train: error: {exc}", file=sys.stderr)
+        print(f"dapo-megatron train: {_resume_hint(config)}", file=sys.stderr)
         return 1
     summary = f"trained {result.steps} steps; run folder {result.run_dir}"
     if result.val_before is not None:
         summary += f"; validation accuracy {result.val_before:.1%} -> {result.val_after:.1%}"
     print(summary)
     print(f"TensorBoard: tensorboard --logdir {result.run_dir / 'tensorboard'}")
+    return 0
+
+
+def _resume_hint(config) -> str:
+    """Where a failed run can continue from."""
+    from pathlib import Path
+
+    from dapo_megatron.ckpt.dcp_io import latest_checkpoint
+
+    save_dir = config.checkpoint.save_dir or str(Path(config.trainer.output_dir) / "checkpoints")
+    try:
+        latest = latest_checkpoint(save_dir)
+    except FileNotFoundError as exc:
+        return f"the checkpoint folder is inconsistent: {exc}"
+    if latest is None:
+        return f"no checkpoint was written to {save_dir} yet; start again without --resume"
+    return f"the last complete checkpoint is {latest}; add --resume to continue from it"
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import logging
+
+    from dapo_megatron.evaluation import evaluate, format_table
+
+    config = load_config(args.file, args.overrides)
+    logging.basicConfig(
+        level=config.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
+    result = evaluate(config, ckpt=args.ckpt, hf_dir=args.hf_dir, out_dir=args.out)
+    print(format_table(result.summary))
+    print(f"wrote {result.out_dir / 'summary.json'} and {result.out_dir / 'problems.jsonl'}")
     return 0
 
 
@@ -154,6 +195,24 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout engines, and run trainer.num_steps DAPO steps, logging to TensorBoard, metrics.jsonl and the console.",
     )
     _config_arguments(train, _cmd_train)
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint of the run folder (or checkpoint.load_dir): actor, "
+        "optimizer, step and data position",
+    )
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="avg@k and pass@k of a checkpoint on the validation files (as the trainer validates)",
+        description="Sample rollout.val_n_samples responses per validation problem with the rollout.val_* settings "
+        "and report avg@k and pass@k per data source and overall; repeated problems are counted once.",
+    )
+    _config_arguments(evaluate, _cmd_eval)
+    weights = evaluate.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--ckpt", help="a Megatron checkpoint (or a save folder with a 'latest' file)")
+    weights.add_argument("--hf-dir", help="an HF model folder (safetensors)")
+    evaluate.add_argument("--out", help="output folder (default: <trainer.output_dir>/eval/<name>-<time>)")
 
     convert = commands.add_parser(
         "convert",

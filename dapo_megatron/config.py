@@ -263,6 +263,10 @@ class TrainerConfig:
     after the last step, when ``data.val_files`` are set."""
     output_dir: str = "runs/dapo"
     """Run folder: the resolved config, logs and (by default) checkpoints go here."""
+    max_bad_steps_in_a_row: int = 3
+    """A step with a NaN or infinite loss or gradient skips those updates (no weight
+    changes) and is logged; this many such steps in a row stop the run with the step and
+    the metrics that went bad. 0 never stops."""
 
 
 @dataclass
@@ -291,6 +295,11 @@ class CheckpointConfig:
     """Number of checkpoints to keep; older ones are deleted after a successful save."""
     async_save: bool = False
     """Write checkpoints in the background."""
+    export_hf: bool = True
+    """At the end of a run, write the final policy as an HF checkpoint to
+    ``<output_dir>/hf_final`` through the converter (verified as ``convert`` verifies; a
+    final checkpoint is saved first if none was). ``dapo-megatron convert megatron-to-hf``
+    exports any other checkpoint on request."""
 
 
 @dataclass
@@ -856,6 +865,11 @@ def _validate_batches(config: Config, fail) -> None:
         fail(("trainer.lr",), f"trainer.lr={t.lr} must be > 0")
     if t.grad_clip < 0:
         fail(("trainer.grad_clip",), f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    if t.max_bad_steps_in_a_row < 0:
+        fail(
+            ("trainer.max_bad_steps_in_a_row",),
+            f"trainer.max_bad_steps_in_a_row={t.max_bad_steps_in_a_row} must be >= 0 (0 = never stop)",
+        )
     if t.lr_warmup_steps < 0:
         fail(("trainer.lr_warmup_steps",), f"trainer.lr_warmup_steps={t.lr_warmup_steps} must be >= 0")
 

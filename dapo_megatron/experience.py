@@ -49,6 +49,8 @@ class Sample:
     """The reward call exceeded its time bound."""
     reward_error: bool = False
     """The reward function raised."""
+    prediction: Optional[str] = None
+    """The answer the reward function read from the response, when it reports one."""
 
     @property
     def reward(self) -> float:
@@ -92,6 +94,7 @@ def apply_rewards(
         sample.correct, sample.score = result.correct, result.score
         sample.timed_out, sample.reward_error = result.timed_out, result.error is not None
         sample.overlong_penalty = penalty
+        sample.prediction = result.prediction
 
 
 def build_policy_batch(samples: list[Sample], algorithm: AlgorithmConfig) -> PolicyBatch:
@@ -140,6 +143,34 @@ def response_metrics(samples: list[Sample], max_response_length: int, prefix: st
         f"{prefix}response/length_min": float(min(lengths)),
         f"{prefix}response/clip_ratio": sum(s.finish_reason == "length" for s in samples) / n,
     }
+
+
+def problem_results(samples: list[Sample]) -> list[dict]:
+    """One record per problem (in prompt order): its k outcomes, accuracy and answers."""
+    problems: dict[int, list[Sample]] = defaultdict(list)
+    for sample in samples:
+        problems[sample.prompt.prompt_id].append(sample)
+    records = []
+    for prompt_id in sorted(problems):
+        attempts = problems[prompt_id]
+        prompt = attempts[0].prompt
+        correct = [s.correct for s in attempts]
+        records.append(
+            {
+                "prompt_id": prompt_id,
+                "data_source": prompt.data_source,
+                "ground_truth": prompt.ground_truth,
+                "k": len(attempts),
+                "num_correct": sum(correct),
+                "accuracy": sum(correct) / len(attempts),
+                "solved": any(correct),
+                "predictions": [s.prediction for s in attempts],
+                "response_lengths": [len(s.response_ids) for s in attempts],
+                "truncated": sum(s.finish_reason == "length" for s in attempts),
+                "prompt": prompt.text,
+            }
+        )
+    return records
 
 
 def validation_metrics(samples: list[Sample], num_samples: int) -> dict[str, float]:

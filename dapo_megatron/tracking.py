@@ -33,20 +33,45 @@ _CONSOLE = (
 )
 
 
+def _step_of(line: str) -> float:
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")  # an unreadable (half-written) line is dropped
+
+
 class MetricsLogger:
     """Writes each step's metrics to TensorBoard, ``metrics.jsonl`` and the console."""
 
-    def __init__(self, run_dir: str | Path, config: LoggingConfig, num_steps: int, stream: TextIO = sys.stdout):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config: LoggingConfig,
+        num_steps: int,
+        stream: TextIO = sys.stdout,
+        *,
+        resume_after: Optional[int] = None,
+    ):
+        """``resume_after``: the step a resumed run continues after; records of later steps
+        (written after that checkpoint, before the run stopped) are dropped from
+        ``metrics.jsonl`` and TensorBoard, so each step appears once."""
         self.run_dir = Path(run_dir)
         self.config = config
         self.num_steps = num_steps
         self.stream = stream
-        self.jsonl = (self.run_dir / "metrics.jsonl").open("a")
+        path = self.run_dir / "metrics.jsonl"
+        if resume_after is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of(line) <= resume_after]
+            staged = path.with_suffix(".jsonl.tmp")
+            staged.write_text("".join(kept))
+            staged.replace(path)
+        self.jsonl = path.open("a")
         self.writer = None
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            purge = None if resume_after is None else resume_after + 1
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
         self._start = time.perf_counter()
 
     def log(self, step: int, metrics: dict[str, float], *, console: Optional[bool] = None) -> None:

@@ -14,7 +14,9 @@ calls and gathers metrics around them; it never touches a Ray handle.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +32,7 @@ from dapo_megatron.algo import DynamicSamplingAccumulator
 from dapo_megatron.algo.metrics import rollout_consistency
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.config import Config, ConfigError, hf_weights_folder
-from dapo_megatron.data import PromptDataset, PromptLoader, load_tokenizer
+from dapo_megatron.data import PromptDataset, PromptLoader, load_tokenizer, validation_dataset
 from dapo_megatron.experience import (
     Sample,
     apply_rewards,
@@ -49,6 +51,99 @@ from dapo_megatron.tracking import MetricsLogger
 logger = logging.getLogger(__name__)
 
 
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+"""What SLURM sends before it preempts or ends a job (``--signal`` chooses USR1 and when)."""
+
+
+class Preempted(Exception):
+    """The run was asked to stop by a signal; it finished its step and saved a checkpoint."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: str) -> None:
+        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint {checkpoint}; continue with --resume")
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+
+class _StopRequest:
+    """Catches the preemption signals while a run is live: the first is remembered (the
+    step in progress finishes, then the run saves and stops); later ones are only logged,
+    so a second signal cannot interrupt the save."""
+
+    def __init__(self) -> None:
+        self.signal_name: Optional[str] = None
+
+    def __call__(self, signum, frame) -> None:
+        import signal
+
+        name = signal.Signals(signum).name
+        if self.signal_name is None:
+            self.signal_name = name
+            logger.warning("received %s: finishing this step, then saving a checkpoint and stopping", name)
+        else:
+            logger.warning("received %s again: already stopping; the checkpoint being written is kept", name)
+
+    @contextmanager
+    def installed(self) -> Iterator[_StopRequest]:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signals reach only the main thread; nothing to install
+            return
+        previous = {name: signal.signal(getattr(signal, name), self) for name in PREEMPTION_SIGNALS}
+        try:
+            yield self
+        finally:
+            for name, handler in previous.items():
+                signal.signal(getattr(signal, name), handler)
+
+
+class TrainingDiverged(RuntimeError):
+    """``trainer.max_bad_steps_in_a_row`` steps in a row had a NaN or infinite loss or gradient."""
+
+
+def bad_metrics(metrics: dict[str, float]) -> list[str]:
+    """What makes a step bad: updates skipped for a NaN or infinite loss or gradient, a
+    non-finite loss, an infinite gradient norm. (A NaN gradient norm alone is not: it is
+    what an empty or skipped update reports.)"""
+    names = []
+    if metrics.get("actor/nonfinite_updates", 0.0) > 0:
+        names.append("actor/nonfinite_updates")
+    if not math.isfinite(metrics.get("actor/loss", 0.0)):
+        names.append("actor/loss")
+    if math.isinf(metrics.get("actor/grad_norm", 0.0)):
+        names.append("actor/grad_norm")
+    return names
+
+
+class BadStepCounter:
+    """Counts steps in a row whose updates went non-finite (see :func:`bad_metrics`); logs
+    each and raises :class:`TrainingDiverged` at ``limit`` (0: never)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+
+    def record(self, step: int, metrics: dict[str, float], last_checkpoint: Optional[str]) -> None:
+        bad = bad_metrics(metrics)
+        self.in_a_row = self.in_a_row + 1 if bad else 0
+        if not bad:
+            return
+        logger.warning(
+            "step %d: %s not finite; those updates were skipped (%d bad step(s) in a row, limit %s)",
+            step,
+            ", ".join(bad),
+            self.in_a_row,
+            self.limit or "none",
+        )
+        if self.limit and self.in_a_row >= self.limit:
+            raise TrainingDiverged(
+                f"stopped at step {step}: {self.in_a_row} steps in a row with a NaN or infinite loss or gradient "
+                f"(trainer.max_bad_steps_in_a_row={self.limit}); bad metrics: "
+                + ", ".join(f"{name}={metrics[name]}" for name in bad)
+                + (f"; last checkpoint {last_checkpoint} (--resume continues from it)" if last_checkpoint else "")
+            )
+
+
 @dataclass
 class TrainResult:
     """What a finished run reports."""
@@ -65,41 +160,59 @@ class TrainResult:
     """The last checkpoint written."""
 
 
-def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers], None]] = None) -> TrainResult:
-    """Run ``config.trainer.num_steps`` DAPO steps; see the module docstring.
+def train(
+    config: Config,
+    inspect: Optional[Callable[[ActorGroup, RolloutWorkers], None]] = None,
+    *,
+    resume: bool = False,
+) -> TrainResult:
+    """Run DAPO steps up to ``config.trainer.num_steps``; see the module docstring.
 
-    ``inspect``, when given, is called with the actor and the engines after the last step,
-    before they are shut down (tests compare the engines' weights with the actor's).
+    ``resume``: continue from the latest complete checkpoint of ``checkpoint.load_dir``,
+    else of the run's checkpoint folder: the actor's whole state (any tp/pp layout) and
+    the trainer's (step, data position), so the continued run takes the same steps an
+    uninterrupted one would. ``inspect``, when given, is called with the actor and the
+    engines after the last step, before they are shut down (tests compare the engines'
+    weights with the actor's).
     """
     run_dir = Path(config.trainer.output_dir)
+    save_dir = config.checkpoint.save_dir or str(run_dir / "checkpoints")
+    resume_from = _resume_point(config, save_dir) if resume else None
     earlier = run_dir / "metrics.jsonl"
-    if earlier.exists() and earlier.stat().st_size:
+    if resume_from is None and earlier.exists() and earlier.stat().st_size:
         raise ConfigError(
-            f"trainer.output_dir={str(run_dir)!r} already holds a run (metrics.jsonl); choose another "
-            "trainer.output_dir or move that run away (nothing in it is touched)"
+            f"trainer.output_dir={str(run_dir)!r} already holds a run (metrics.jsonl); pass --resume to continue "
+            "it, or choose another trainer.output_dir (nothing in it is touched)"
         )
+    start_step = resume_from[1]["step"] if resume_from else 0
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config.to_yaml())
+    config_name = f"config.resumed_at_step_{start_step}.yaml" if resume_from else "config.yaml"
+    (run_dir / config_name).write_text(config.to_yaml())
     r, a, d = config.rollout, config.algorithm, config.data
 
     tokenizer = load_tokenizer(d, hf_weights_folder(config.model))
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer of data.tokenizer={d.tokenizer!r} has no EOS token to stop responses on")
     train_data = PromptDataset(d.train_files, tokenizer, d, r.max_prompt_length)
-    val_data = PromptDataset(d.val_files, tokenizer, d, r.max_prompt_length) if d.val_files else None
+    val_data = validation_dataset(d.val_files, tokenizer, d, r.max_prompt_length) if d.val_files else None
     loader = PromptLoader(train_data, seed=d.seed, shuffle=d.shuffle)
-    stop = (tokenizer.eos_token_id,)
-    sampling = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, stop)
-    val_sampling = SamplingParams(r.val_temperature, r.val_top_p, -1, r.max_response_length, stop, seed=r.seed)
+    if resume_from is not None:
+        _check_resumable(resume_from, config, len(train_data.prompts))
+        loader.load_state_dict(resume_from[1]["data"])
+    stop_ids = (tokenizer.eos_token_id,)
+    sampling = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, stop_ids)
     num_updates = d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size
-    save_dir = config.checkpoint.save_dir or str(run_dir / "checkpoints")
 
     with ExitStack() as stack:
         cpus = max(os.cpu_count() or 1, config.parallel.world_size + r.num_engines + 1)
         stack.enter_context(RayCluster(config.ray, run_dir, config.ray.num_cpus or cpus))
+        # After ray.init, which installs its own SIGTERM handler (it would end the process).
+        stop = stack.enter_context(_StopRequest().installed())
         rewards = RewardPool(a.reward_fn, a.reward_timeout_s, num_workers=min(os.cpu_count() or 1, 8))
         stack.callback(rewards.close)
-        metrics_log = MetricsLogger(run_dir, config.logging, config.trainer.num_steps)
+        metrics_log = MetricsLogger(
+            run_dir, config.logging, config.trainer.num_steps, resume_after=start_step if resume_from else None
+        )
         stack.callback(metrics_log.close)
         actor = ActorGroup(config)
         stack.callback(actor.shutdown)
@@ -109,21 +222,30 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
         def sync_engines():
             return actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20, engines.num_update_ranks)
 
-        _load_initial_weights(actor, config)
+        if resume_from is not None:
+            restored = actor.load_checkpoint(str(resume_from[0]), config.trainer.seed)
+            if restored != start_step:
+                raise ConfigError(
+                    f"{resume_from[0]}: the actor is at step {restored}, its trainer state at {start_step}"
+                )
+            logger.info("resumed from %s: continuing after step %d", resume_from[0], start_step)
+        else:
+            _load_initial_weights(actor, config)
         # The engines start from the actor's weights: both sides hold the same policy.
         sync_engines()
 
         def validate(step: int) -> Optional[float]:
             if val_data is None:
                 return None
-            values = _validate(engines, rewards, val_data.prompts, val_sampling, config, tokenizer)
+            values, _ = evaluate_policy(engines, rewards, val_data.prompts, config, tokenizer)
             metrics_log.log(step, values, console=True)
             return values["val/accuracy"]
 
-        val_before = validate(0) if config.trainer.val_before_train else None
-        last_checkpoint = None
+        val_before = validate(0) if config.trainer.val_before_train and resume_from is None else None
+        last_checkpoint = str(resume_from[0]) if resume_from else None
         val_after = val_before
-        for step in range(1, config.trainer.num_steps + 1):
+        bad_steps = BadStepCounter(config.trainer.max_bad_steps_in_a_row)
+        for step in range(start_step + 1, config.trainer.num_steps + 1):
             step_start = time.perf_counter()
             times: dict[str, float] = {}
 
@@ -149,17 +271,26 @@ def train(config: Config, inspect: Optional[Callable[[ActorGroup, RolloutWorkers
             times["step"] = time.perf_counter() - step_start
 
             # 7. Metrics, checkpoint, validation.
-            metrics_log.log(step, {**rollout_metrics, **_step_metrics(samples, batch, entropy, updates, sync, times)})
-            metrics_log.log_histogram(step, "response/length", [len(s.response_ids) for s in samples])
-            if config.checkpoint.save_every and (
+            step_metrics = {**rollout_metrics, **_step_metrics(samples, batch, entropy, updates, sync, times)}
+            metrics_log.log(step, step_metrics)
+            bad_steps.record(step, step_metrics, last_checkpoint)
+            due = config.checkpoint.save_every and (
                 step % config.checkpoint.save_every == 0 or step == config.trainer.num_steps
-            ):
-                last_checkpoint = actor.save(save_dir, config.checkpoint.keep_last)
-                _write_trainer_state(Path(last_checkpoint), step, loader)
+            )
+            if due or stop.signal_name is not None:
+                state = _trainer_state(step, loader, config, len(train_data.prompts))
+                last_checkpoint = actor.save(save_dir, config.checkpoint.keep_last, {TRAINER_STATE: state})
+            if stop.signal_name is not None:
+                raise Preempted(stop.signal_name, step, last_checkpoint)
             if config.trainer.val_every and step % config.trainer.val_every == 0 and step != config.trainer.num_steps:
                 validate(step)
         if config.trainer.val_before_train or config.trainer.val_every:
             val_after = validate(config.trainer.num_steps)
+        if config.checkpoint.export_hf:
+            if last_checkpoint is None or Path(last_checkpoint).name != f"step_{config.trainer.num_steps:08d}":
+                state = _trainer_state(config.trainer.num_steps, loader, config, len(train_data.prompts))
+                last_checkpoint = actor.save(save_dir, config.checkpoint.keep_last, {TRAINER_STATE: state})
+            _export_hf(last_checkpoint, config, run_dir / "hf_final")
         if inspect is not None:
             inspect(actor, engines)
     return TrainResult(run_dir, config.trainer.num_steps, val_before, val_after, last_checkpoint)
@@ -197,7 +328,7 @@ def _collect_groups(
     while not accumulator.is_full:
         prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
         params = replace(sampling, seed=engine_seed(r.seed, step, round_index))
-        samples = _generate_and_score(
+        samples = generate_and_score(
             engines, rewards, prompts, params, r.n_samples_per_prompt, round_index, config, tokenizer, times
         )
         generated_tokens += sum(len(s.response_ids) for s in samples)
@@ -221,7 +352,7 @@ def _collect_groups(
     return kept, metrics
 
 
-def _generate_and_score(
+def generate_and_score(
     engines: RolloutWorkers,
     rewards: RewardPool,
     prompts: list,
@@ -267,14 +398,25 @@ def _step_metrics(
     }
 
 
-def _validate(
-    engines: RolloutWorkers, rewards: RewardPool, prompts: list, sampling: SamplingParams, config: Config, tokenizer
-) -> dict[str, float]:
-    """avg@k and pass@k of the current policy on the validation prompts."""
+def validation_sampling(config: Config, tokenizer) -> SamplingParams:
+    """``rollout.val_*``: the sampling of validation and ``eval`` (seeded: repeatable)."""
+    r = config.rollout
+    return SamplingParams(
+        r.val_temperature, r.val_top_p, -1, r.max_response_length, (tokenizer.eos_token_id,), seed=r.seed
+    )
+
+
+def evaluate_policy(
+    engines: RolloutWorkers, rewards: RewardPool, prompts: list, config: Config, tokenizer
+) -> tuple[dict[str, float], list[Sample]]:
+    """avg@k and pass@k of the engines' policy on ``prompts`` (k = rollout.val_n_samples),
+    overall and per data source; and the scored samples."""
     start = time.perf_counter()
     n = config.rollout.val_n_samples
-    samples = _generate_and_score(engines, rewards, prompts, sampling, n, -1, config, tokenizer, {})
-    return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}
+    samples = generate_and_score(
+        engines, rewards, prompts, validation_sampling(config, tokenizer), n, -1, config, tokenizer, {}
+    )
+    return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}, samples
 
 
 def _load_initial_weights(actor: ActorGroup, config: Config) -> None:
@@ -330,14 +472,91 @@ def _update_metrics(all_updates: list[dict[str, float]]) -> dict[str, float]:
         "actor/lr": updates[-1]["lr"],
         "actor/num_updates": float(len(updates)),
         "actor/updates_skipped": sum(u["update_skipped"] for u in updates),
+        "actor/nonfinite_updates": sum(u.get("nonfinite", 0.0) for u in updates),
         "actor/tokens": float(tokens),
     }
 
 
-def _write_trainer_state(checkpoint: Path, step: int, loader: PromptLoader) -> None:
-    import json
+def _export_hf(checkpoint: str, config: Config, out: Path) -> None:
+    """The final policy as HF safetensors (config.json and tokenizer files copied)."""
+    from dapo_megatron.ckpt.convert import copy_tokenizer_files, megatron_to_hf
 
-    state = {"step": step, "data": loader.state_dict(), "torch_seed": torch.initial_seed()}
-    tmp = checkpoint / "trainer_state.json.tmp"
-    tmp.write_text(json.dumps(state) + "\n")
-    tmp.replace(checkpoint / "trainer_state.json")
+    if config.model.hf_config is None:
+        logger.warning("checkpoint.export_hf: no model.hf_config (config.json) to export with; skipped")
+        return
+    report = megatron_to_hf(checkpoint, config.model.hf_config, out, overwrite=True, progress=False)
+    tokenizer_dir = config.data.tokenizer or hf_weights_folder(config.model)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(Path(tokenizer_dir), out)
+    checked = f"verified (max relative logit error {report.max_logit_error:.1e})" if report.verified else "not verified"
+    logger.info("final policy exported to %s (%s)", out, checked)
+
+
+TRAINER_STATE = "trainer_state.json"
+"""The trainer's own state, inside each actor checkpoint (written before it is published)."""
+
+
+def _trainer_state(step: int, loader: PromptLoader, config: Config, num_prompts: int) -> str:
+    """What a resumed run needs besides the actor: the step, the data position and what
+    the rollout seeds derive from. Generation seeds are a function of (rollout.seed, step,
+    round), and dynamic sampling drops its surplus at the end of every step, so no sampler
+    state or leftover samples need saving."""
+    return json.dumps(
+        {
+            "step": step,
+            "data": loader.state_dict(),
+            "num_prompts": num_prompts,
+            "rollout_seed": config.rollout.seed,
+            "metrics_step": step,
+        },
+        indent=1,
+    )
+
+
+def _resume_point(config: Config, save_dir: str) -> tuple[Path, dict]:
+    """The latest complete checkpoint to resume from and its trainer state: the run's own
+    checkpoint folder first, else ``checkpoint.load_dir``."""
+    from dapo_megatron.ckpt.dcp_io import latest_checkpoint
+
+    sources = [("the run's checkpoint folder", save_dir)]
+    if config.checkpoint.load_dir:
+        sources.append(("checkpoint.load_dir", config.checkpoint.load_dir))
+    path = None
+    for key, source in sources:
+        try:
+            path = latest_checkpoint(source)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"cannot resume from {key} {source}: {exc}") from None
+        if path is not None:
+            break
+    if path is None:
+        where = " or ".join(f"{key} {source}" for key, source in sources)
+        raise ConfigError(
+            f"nothing to resume: no checkpoint in {where}; start the run without --resume "
+            f"(checkpoints are written every checkpoint.save_every steps)"
+        )
+    state_file = path / TRAINER_STATE
+    if not state_file.is_file():
+        raise ConfigError(
+            f"{path} has no {TRAINER_STATE}: it was not written by `dapo-megatron train`, so there is no data "
+            f"position to resume; to start a new run from its weights, set checkpoint.load_dir={path} without --resume"
+        )
+    return path, json.loads(state_file.read_text())
+
+
+def _check_resumable(resume_from: tuple[Path, dict], config: Config, num_prompts: int) -> None:
+    """Refuse a resume whose data no longer matches the saved position; warn when the
+    rollout seed changed (the run continues, but not as the uninterrupted one would)."""
+    path, state = resume_from
+    if state["num_prompts"] != num_prompts:
+        raise ConfigError(
+            f"{path}: the run was saved with {state['num_prompts']} training prompts but data.train_files now hold "
+            f"{num_prompts}; its data position would be meaningless. Resume with the same data.train_files"
+        )
+    if state["rollout_seed"] != config.rollout.seed:
+        logger.warning(
+            "rollout.seed is %d, the run was saved with %d: the resumed steps sample differently from an "
+            "uninterrupted run",
+            config.rollout.seed,
+            state["rollout_seed"],
+        )

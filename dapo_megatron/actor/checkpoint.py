@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -145,11 +146,19 @@ def _tracker_states() -> dict:
     return get_cuda_rng_tracker().get_states()
 
 
-def save_checkpoint(actor, save_dir: str | os.PathLike, keep_last: int = 0) -> Path:
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the previous one stays the latest."""
+
+
+def save_checkpoint(
+    actor, save_dir: str | os.PathLike, keep_last: int = 0, extra_files: Optional[dict[str, str]] = None
+) -> Path:
     """Save the actor at its current rollout step; returns the checkpoint folder.
 
     All ranks of the actor must call it. ``keep_last > 0`` deletes older checkpoints
-    beyond that many after the save succeeded.
+    beyond that many after the save succeeded. ``extra_files`` (name -> text, e.g. the
+    trainer's own state) are written into the checkpoint before it is published, so a
+    checkpoint that ``latest`` names always has them.
     """
     from megatron.core import dist_checkpointing
 
@@ -165,9 +174,31 @@ def save_checkpoint(actor, save_dir: str | os.PathLike, keep_last: int = 0) -> P
     state["scheduler"] = actor.scheduler.state_dict()
     state["rollout_step"] = actor.rollout_step
     state["layout"] = _layout(actor)
-    dist_checkpointing.save(state, str(staging))
-    dist.barrier()
+    error: Optional[BaseException] = None
+    try:
+        dist_checkpointing.save(state, str(staging))
+    except BaseException as exc:  # a failing write (disk full, ...): every rank learns of it below
+        # torch's CheckpointException, which gathers every rank's write errors, is a
+        # BaseException; interruptions are not write failures.
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        error = exc
+    written = torch.tensor([0.0 if error else 1.0], device=actor.device)
+    dist.all_reduce(written, op=dist.ReduceOp.MIN)
+    if written.item() < 1.0:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()
+        previous = latest_checkpoint(save_dir)
+        kept = f"the latest checkpoint is still {previous}" if previous else "no earlier checkpoint exists"
+        why = f"{type(error).__name__}: {error}" if error else "a write failed on another rank"
+        raise CheckpointWriteError(
+            f"writing the checkpoint of step {actor.rollout_step} to {staging} failed ({why}); nothing of it was "
+            f"kept and {kept}"
+        ) from error
     if rank == 0:
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text)
         if final.exists():
             shutil.rmtree(final)
         staging.rename(final)

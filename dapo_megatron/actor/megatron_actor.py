@@ -286,7 +286,9 @@ class MegatronActor:
         on every rank): ``loss`` (the global token mean), ``entropy``, ``mean_prob`` of the
         generated tokens, ``pg_clipfrac_low/high/dual``, ``approx_kl``, ``ratio_mean``,
         ``ratio_max``, ``log_ratio_clamped``, ``grad_norm``, ``lr``, ``tokens`` and
-        ``num_micro_batches``; a mini-batch without loss tokens makes no update and reports
+        ``num_micro_batches``; an update whose loss or gradient is NaN or infinite on any
+        rank is not applied on any rank and reports ``nonfinite`` = 1 and
+        ``update_skipped`` = 1; a mini-batch without loss tokens makes no update and reports
         ``empty`` = 1 (checked before the scheduler or the step counter move).
         """
         if batch.advantages is None or batch.old_log_probs is None:
@@ -324,13 +326,22 @@ class MegatronActor:
             metrics.append(self._update(mini, num_tokens, num_seqs, temperature))
         return metrics
 
+    def _loss_and_gradients_finite(self, outputs: list[dict]) -> bool:
+        """Whether every rank's losses and reduced gradients are finite (agreed by all ranks)."""
+        local = all(bool(torch.isfinite(out["loss"]).all()) for out in outputs if "loss" in out)
+        for buffer in self.ddp.buffers:
+            local = local and bool(torch.isfinite(buffer.grad_data).all())
+        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() == 1.0)
+
     def _empty_update(self) -> dict[str, float]:
         """The metrics of a mini-batch that had no loss tokens (no optimizer step)."""
         metrics = dict.fromkeys(
             ("loss", "entropy", "mean_prob", "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac_dual"), 0.0
         )
         metrics.update(approx_kl=0.0, ratio_mean=0.0, ratio_max=0.0, log_ratio_clamped=0.0, tokens=0.0)
-        metrics.update(grad_norm=float("nan"), update_skipped=1.0, num_micro_batches=0.0, empty=1.0)
+        metrics.update(grad_norm=float("nan"), update_skipped=1.0, num_micro_batches=0.0, empty=1.0, nonfinite=0.0)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
 
@@ -346,6 +357,12 @@ class MegatronActor:
 
             def loss_func(output):
                 log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature)
+                # A diverged model (NaN or infinite log-probs) makes a NaN loss, which the
+                # finite check after the schedule turns into a skipped update on every rank.
+                finite = torch.isfinite(log_probs) | (mb.loss_mask == 0)
+                diverged = not bool(finite.all())
+                if diverged:
+                    log_probs = torch.where(finite, log_probs, torch.zeros_like(log_probs))
                 loss, m = dapo_policy_loss(
                     log_probs,
                     mb.old_log_probs,
@@ -358,6 +375,8 @@ class MegatronActor:
                     global_num_tokens=global_num_tokens,
                     global_num_seqs=global_num_seqs,
                 )
+                if diverged:
+                    loss = loss * float("nan")
                 n = m["num_tokens"].to(torch.float64)
                 mask = mb.loss_mask
                 sums = {
@@ -380,7 +399,15 @@ class MegatronActor:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(micro, forward_step, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
+        finite = self._loss_and_gradients_finite(outputs)
+        if finite:
+            update_ok, grad_norm, _ = self.optimizer.step()
+        else:
+            # A NaN or infinite loss or gradient on any rank: no rank updates (weights and
+            # optimizer state stay as they were); the trainer counts such steps.
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            update_ok, grad_norm = False, float("nan")
         totals = torch.zeros(len(_SUM_KEYS) + 1, dtype=torch.float64, device=self.device)
         if self.is_last_stage:
             for out in outputs:
@@ -405,6 +432,7 @@ class MegatronActor:
             "log_ratio_clamped": values["clamped_sum"] / tokens,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_skipped": 0.0 if update_ok else 1.0,
+            "nonfinite": 0.0 if finite else 1.0,
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "tokens": values["num_tokens"],
             "num_micro_batches": float(len(micro)),

@@ -28,6 +28,9 @@ def load_megatron_weights(gpt, path: str | os.PathLike) -> None:
 
     sharded = _drop_extra_state(gpt.sharded_state_dict(prefix=""))
     loaded = dist_checkpointing.load(sharded, str(path))
+    # A trainer checkpoint also holds optimizer, scheduler and step (its common state,
+    # which load() returns with the model): keep the model's tensors only.
+    loaded = {key: value for key, value in loaded.items() if key in sharded}
     missing, unexpected = gpt.load_state_dict(loaded, strict=False)
     missing = [key for key in missing if not key.endswith("_extra_state")]
     if missing or unexpected:

@@ -242,3 +242,22 @@ class PromptLoader:
         """Continue from :meth:`state_dict`'s position."""
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)
+
+
+def validation_dataset(files: list[str], tokenizer, data: DataConfig, max_prompt_length: int) -> PromptDataset:
+    """The validation problems, each counted once.
+
+    Published evaluation files repeat problems (the AIME 2024 parquet holds each of its 30
+    problems 32 times, for avg@32 by repetition); avg@k here samples k responses per
+    problem instead, so repeats would only weight some problems more than others.
+    """
+    from dataclasses import replace
+
+    dataset = PromptDataset(files, tokenizer, replace(data, deduplicate=True), max_prompt_length)
+    if dataset.stats["duplicates_removed"]:
+        logger.info(
+            "validation: %d rows hold %d distinct problems; each is counted once (k samples per problem)",
+            dataset.stats["rows"],
+            len(dataset.prompts),
+        )
+    return dataset

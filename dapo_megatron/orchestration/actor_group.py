@@ -193,11 +193,17 @@ class ActorRank:
         shard = shard_for_data_parallel(batch, self.info.dp_rank, dp_size, num_mini_batches)
         return self.actor.train(shard, num_mini_batches, temperature)
 
-    def save(self, save_dir: str, keep_last: int) -> str:
-        """A dist checkpoint of model, optimizer, scheduler, RNG and step."""
+    def save(self, save_dir: str, keep_last: int, extra_files: Optional[dict[str, str]] = None) -> str:
+        """A dist checkpoint of model, optimizer, scheduler, RNG and step (and ``extra_files``)."""
         from dapo_megatron.actor.checkpoint import save_checkpoint
 
-        return str(save_checkpoint(self.actor, save_dir, keep_last))
+        return str(save_checkpoint(self.actor, save_dir, keep_last, extra_files))
+
+    def load_checkpoint(self, path: str, seed: int) -> int:
+        """Restore model, optimizer, scheduler, step and RNG from a checkpoint; the step."""
+        from dapo_megatron.actor.checkpoint import load_checkpoint
+
+        return load_checkpoint(self.actor, path, seed=seed)
 
     def node_id(self) -> str:
         """The Ray node this rank runs on."""
@@ -269,6 +275,10 @@ class ActorRank:
             self.info = None
 
 
+PLACEMENT_TIMEOUT_S = 300.0
+"""How long the actor's placement may wait for resources before the run fails clearly."""
+
+
 class ActorGroup:
     """All ranks of the actor, called as one (see the module docstring)."""
 
@@ -277,16 +287,30 @@ class ActorGroup:
         parallel = config.parallel
         self.world_size = parallel.world_size
         on_gpu = parallel.device == "cuda" or (parallel.device == "auto" and torch.cuda.is_available())
-        bundle = {"CPU": 1, "GPU": 1} if on_gpu else {"CPU": 1}
-        self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-        ray.get(self.placement_group.ready())
+        # One bundle per node holding that node's ranks, on distinct nodes: ranks
+        # r * devices_per_node ... (r + 1) * devices_per_node - 1 share node r, as
+        # megatron's process groups assume (tensor parallelism inside a node).
+        per_node = parallel.num_devices_per_node
+        bundle = {"CPU": per_node, "GPU": per_node} if on_gpu else {"CPU": per_node}
+        self.placement_group = placement_group(
+            [dict(bundle) for _ in range(parallel.num_nodes)],
+            strategy="STRICT_SPREAD" if parallel.num_nodes > 1 else "STRICT_PACK",
+        )
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"the actor's {parallel.num_nodes} node(s) x {bundle} could not be placed within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()} on "
+                f"{len([n for n in ray.nodes() if n['Alive']])} node(s) (parallel.num_nodes must not exceed them)"
+            )
         env = {"OMP_NUM_THREADS": "1"} if not on_gpu else {}
         self.ranks = [
             ActorRank.options(
                 num_cpus=1,
                 num_gpus=1 if on_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_group, placement_group_bundle_index=rank
+                    placement_group=self.placement_group, placement_group_bundle_index=rank // per_node
                 ),
                 runtime_env={"env_vars": env},
             ).remote(config)
@@ -294,10 +318,16 @@ class ActorGroup:
         ]
         self._node_ids: Optional[list[str]] = None
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
+        self.names = [f"actor rank {rank}" for rank in range(self.world_size)]
         self.infos = call_all(
             [r.setup.remote(rank, self.world_size, master_addr, master_port) for rank, r in enumerate(self.ranks)],
             "an actor rank",
+            self.names,
         )
+        self.names = [
+            f"actor rank {i['rank']} (tp {i['tp_rank']}, pp {i['pp_rank']}, dp {i['dp_rank']}; pid {i['pid']})"
+            for i in self.infos
+        ]
         _, self.valid_feeders = feeder_roles(
             [(i["rank"], i["dp_rank"], i["tp_rank"], i["pp_rank"]) for i in self.infos]
         )
@@ -312,12 +342,14 @@ class ActorGroup:
 
     def load_weights(self, source: str, path: str) -> None:
         """Initial weights on every rank (``megatron`` checkpoint or ``hf`` folder)."""
-        call_all([r.load_weights.remote(source, path) for r in self.ranks], "an actor rank")
+        call_all([r.load_weights.remote(source, path) for r in self.ranks], "an actor rank", self.names)
 
     def compute_log_probs(self, batch: PolicyBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, seq]`` log-probs and entropies of the loss tokens, reassembled."""
         ref = ray.put(batch)
-        parts = call_all([r.compute_log_probs.remote(ref, temperature) for r in self.ranks], "an actor rank")
+        parts = call_all(
+            [r.compute_log_probs.remote(ref, temperature) for r in self.ranks], "an actor rank", self.names
+        )
         log_probs = torch.zeros(batch.tokens.shape, dtype=torch.float32)
         entropy = torch.zeros_like(log_probs)
         for part in parts:
@@ -332,11 +364,19 @@ class ActorGroup:
     def train(self, batch: PolicyBatch, num_mini_batches: int, temperature: float) -> list[dict[str, float]]:
         """One rollout step of DAPO updates; each update's metrics."""
         ref = ray.put(batch)
-        return call_all([r.train.remote(ref, num_mini_batches, temperature) for r in self.ranks], "an actor rank")[0]
+        return call_all(
+            [r.train.remote(ref, num_mini_batches, temperature) for r in self.ranks], "an actor rank", self.names
+        )[0]
 
-    def save(self, save_dir: str, keep_last: int) -> str:
-        """Checkpoint folder written."""
-        return call_all([r.save.remote(save_dir, keep_last) for r in self.ranks], "an actor rank")[0]
+    def save(self, save_dir: str, keep_last: int, extra_files: Optional[dict[str, str]] = None) -> str:
+        """Checkpoint folder written (with ``extra_files`` in it, name -> text)."""
+        return call_all(
+            [r.save.remote(save_dir, keep_last, extra_files) for r in self.ranks], "an actor rank", self.names
+        )[0]
+
+    def load_checkpoint(self, path: str, seed: int) -> int:
+        """Every rank restores its full state (any tp/pp layout) from ``path``; the step."""
+        return call_all([r.load_checkpoint.remote(path, seed) for r in self.ranks], "an actor rank", self.names)[0]
 
     def sync_weights(
         self,
@@ -366,6 +406,7 @@ class ActorGroup:
                 for rank, r in enumerate(self.ranks)
             ],
             "an actor rank",
+            self.names,
         )
         done = [SyncStats(**result) for result in results if result is not None]
         return SyncStats(
@@ -382,7 +423,7 @@ class ActorGroup:
         key = tuple(engines)
         if key not in self._feeder_plans:
             if self._node_ids is None:
-                self._node_ids = call_all([r.node_id.remote() for r in self.ranks], "an actor rank")
+                self._node_ids = call_all([r.node_id.remote() for r in self.ranks], "an actor rank", self.names)
             engine_nodes = call_all([engine.node_id.remote() for engine in engines], "a rollout engine")
             plan: dict[int, list[int]] = {}
             for index, node in enumerate(engine_nodes):
@@ -393,7 +434,7 @@ class ActorGroup:
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """The full model in HF names (tests of small models)."""
-        return call_all([r.export_hf_weights.remote() for r in self.ranks], "an actor rank")[0]
+        return call_all([r.export_hf_weights.remote() for r in self.ranks], "an actor rank", self.names)[0]
 
     def shutdown(self) -> None:
         """Tear the ranks down and free their placement group."""

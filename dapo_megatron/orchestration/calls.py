@@ -1,13 +1,17 @@
 """Calling a group of Ray actors as one, and stopping them, the same way everywhere.
 
-A failure in any member surfaces as one error that names which kind of member failed
-and its own message (not Ray's wrapper); stopping never lets one dead member keep the
-others running.
+A failure in any member surfaces as one error that names which member failed and its
+own message (not Ray's wrapper), as soon as it happens: results are awaited in the
+order they finish, so a member that died (its process killed) is reported within
+seconds even while the others wait for it inside a collective, instead of after the
+collective's timeout. Stopping never lets one dead or stuck member keep the others
+running.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import ray
 
@@ -21,15 +25,62 @@ def cause_of(exc: BaseException) -> BaseException:
     return exc
 
 
-def call_all(refs: list, what: str) -> list:
-    """``ray.get(refs)``; a member's exception is re-raised as RuntimeError naming ``what``."""
+class MemberFailed(RuntimeError):
+    """A member of a group raised or died; the message names it."""
+
+
+def call_all(refs: list, what: str, names: Optional[list[str]] = None) -> list:
+    """``ray.get(refs)``, failing on the first member that raises or dies.
+
+    The error is a :class:`MemberFailed` naming the member (``names[i]``, else ``what``)
+    and its own exception, or how its process died.
+    """
+    position = {ref: index for index, ref in enumerate(refs)}
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        for ref in done:
+            failure = _failure(ref, names[position[ref]] if names else what)
+            if failure is None:
+                continue
+            if not isinstance(failure.__cause__, ray.exceptions.RayActorError) and pending:
+                # A member that raised may only be reacting to a peer that died (a
+                # collective whose connection closed): if one did, name it first.
+                more, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
+                for other in more:
+                    died = _failure(other, names[position[other]] if names else what)
+                    if died is not None and isinstance(died.__cause__, ray.exceptions.RayActorError):
+                        raise MemberFailed(f"{died}; then {failure}") from died.__cause__
+            raise failure
+    return ray.get(refs)
+
+
+DEATH_GRACE_S = 5.0
+"""How long a failure waits to see whether a peer died (Ray reports a death in about a second)."""
+
+
+def _failure(ref, member: str) -> Optional[MemberFailed]:
+    """The member's failure as a MemberFailed (its cause attached), or None if it succeeded."""
     try:
-        return ray.get(refs)
+        ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
-        raise RuntimeError(f"{what} failed: {cause_of(exc)}") from exc
+        failure = MemberFailed(f"{member} failed: {cause_of(exc)}")
+        failure.__cause__ = exc
+        return failure
+    except ray.exceptions.RayActorError as exc:
+        failure = MemberFailed(f"{member} died: {_death(exc)}")
+        failure.__cause__ = exc
+        return failure
+    return None
 
 
-def stop_all(actors: list, what: str, timeout_s: float = 60.0) -> None:
+def _death(exc: BaseException) -> str:
+    """Ray's account of a dead actor, on one line."""
+    text = " ".join(str(exc).split())
+    return text[:600]
+
+
+def stop_all(actors: list, what: str, timeout_s: float = 15.0) -> None:
     """Ask every actor to ``shutdown()`` (bounded in time), then kill them all."""
     try:
         ray.get([actor.shutdown.remote() for actor in actors], timeout=timeout_s)

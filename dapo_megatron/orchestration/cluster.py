@@ -6,6 +6,16 @@ or Ctrl-C, so nothing keeps running afterwards and nothing is written to ``~/.ra
 ``/tmp/ray``. With ``ray.address`` set (``train.sbatch`` passes the head it started), the
 run joins that cluster and leaves it running: it was started by someone else.
 
+**Who may use it.** A Ray instance runs whatever a client that reaches its port submits.
+The local instance therefore requires a token (Ray's ``RAY_AUTH_MODE=token``): a fresh
+secret per instance, in a file only the user can read inside the instance's folder
+(removed when it stops), named to the driver and, through the environment, to every
+worker. A client without it is refused. (Ray cannot be bound to 127.0.0.1 alone: it
+replaces a loopback node address with the machine's own, ``resolve_ip_for_localhost``;
+the token is what keeps others out.) A joined cluster keeps its own settings: the
+driver takes ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH`` from the environment, which
+``train.sbatch`` sets for the cluster it starts.
+
 Unix socket paths are limited to 107 bytes; when the run folder is too deep for Ray's
 socket paths, the instance's folder is a short one under the system temp folder, linked
 from the run folder as ``ray`` while it runs and moved there (logs included) when it stops.
@@ -15,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +39,18 @@ logger = logging.getLogger(__name__)
 # (61 characters with a 4-digit pid; room for a 7-digit one).
 _RAY_SOCKET_SUFFIX = 64
 _UNIX_PATH_MAX = 107
+TOKEN_FILE = "auth_token"
+"""The local instance's secret, inside its folder (mode 0600, removed when it stops)."""
+_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
+
+
+def _reload_ray_auth_settings() -> None:
+    """Make this process's Ray read ``RAY_AUTH_*`` again: it reads them once, when first
+    imported, and caches the token (as Ray's own tests do between clusters)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 class RayCluster:
@@ -46,15 +69,15 @@ class RayCluster:
         self.started_here = False
         self._short_dir: Optional[Path] = None
         self._link: Optional[Path] = None
+        self._token_file: Optional[Path] = None
+        self._saved_env: dict[str, Optional[str]] = {}
 
     def __enter__(self) -> RayCluster:
         import ray
 
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         # Workers see the driver's environment (thread counts, the CPU runtime).
         runtime_env = {
             "env_vars": {
-                "RAY_AUTH_MODE": "disabled",
                 "TOKENIZERS_PARALLELISM": "false",
                 # megatron-core warns at import about optional GPU kernels, once per process.
                 "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning",
@@ -75,15 +98,20 @@ class RayCluster:
             if self._short_dir
             else "",
         )
-        ray.init(
-            num_cpus=self.num_cpus,
-            num_gpus=None,
-            _temp_dir=str(temp_dir),
-            include_dashboard=False,
-            logging_level="ERROR",
-            log_to_driver=True,
-            runtime_env=runtime_env,
-        )
+        self._require_token(temp_dir)
+        try:
+            ray.init(
+                num_cpus=self.num_cpus,
+                num_gpus=None,
+                _temp_dir=str(temp_dir),
+                include_dashboard=False,
+                logging_level="ERROR",
+                log_to_driver=True,
+                runtime_env=runtime_env,
+            )
+        except BaseException:
+            self._forget_token()
+            raise
         self.started_here = True
         return self
 
@@ -96,6 +124,7 @@ class RayCluster:
 
         if ray.is_initialized():
             ray.shutdown()
+        self._forget_token()
         if self._short_dir is not None:
             # Keep the instance's logs with the run: the folder moves in place of its link.
             link = self._link
@@ -107,6 +136,31 @@ class RayCluster:
                 logger.warning("could not move Ray's folder %s into the run folder: %s", self._short_dir, exc)
                 shutil.rmtree(self._short_dir, ignore_errors=True)
             self._short_dir = None
+
+    def _require_token(self, folder: Path) -> None:
+        """A fresh secret for this instance, readable by the user only; Ray told to use it."""
+        token_file = folder / TOKEN_FILE
+        token_file.unlink(missing_ok=True)
+        descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(secrets.token_hex(32))
+        self._saved_env = {name: os.environ.get(name) for name in _AUTH_VARIABLES}
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
+        self._token_file = token_file
+        _reload_ray_auth_settings()
+
+    def _forget_token(self) -> None:
+        if self._token_file is None:
+            return
+        self._token_file.unlink(missing_ok=True)
+        self._token_file = None
+        for name, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _reload_ray_auth_settings()
 
     def _temp_dir(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)

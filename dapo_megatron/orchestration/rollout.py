@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Optional
 
 import ray
@@ -32,14 +33,14 @@ logger = logging.getLogger(__name__)
 class EngineWorker:
     """One rollout engine in its own process."""
 
-    def __init__(self, config: Config, index: int, num_threads: int) -> None:
+    def __init__(self, config: Config, index: int, num_threads: int, weights_dir: Optional[str] = None) -> None:
         from dapo_megatron.orchestration.handles import BucketReceiver, use_shareable_cpu_tensors
 
         use_shareable_cpu_tensors()
         if num_threads:
             torch.set_num_threads(num_threads)
         self.index = index
-        self.engine = _build_engine(config, index)
+        self.engine = _build_engine(config, index, weights_dir)
         self.receiver = BucketReceiver()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Generation]:
@@ -100,16 +101,20 @@ def engine_kind(config: Config) -> str:
     return "sglang" if torch.cuda.is_available() and config.parallel.device != "cpu" else "hf"
 
 
-def _build_engine(config: Config, index: int):
+def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None):
+    """The engine of worker ``index``: with ``weights_dir`` (an HF folder) serving those
+    weights; otherwise the trainer's engines, whose weights the actor syncs in."""
     rollout = config.rollout
     if engine_kind(config) == "hf":
         from dapo_megatron.rollout.hf_engine import HFRolloutEngine
 
         device = "cuda" if torch.cuda.is_available() and config.parallel.device == "cuda" else "cpu"
+        if weights_dir is not None:
+            return HFRolloutEngine.from_pretrained(weights_dir, device=device)
         return HFRolloutEngine.from_model_config(config.model, device=device)
     from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 
-    folder = hf_weights_folder(config.model)
+    folder = Path(weights_dir) if weights_dir is not None else hf_weights_folder(config.model)
     if folder is None:
         raise ValueError("the SGLang engine needs model.hf_weights or model.hf_config (an HF folder to start from)")
     return SGLangRolloutEngine(
@@ -124,7 +129,9 @@ def _build_engine(config: Config, index: int):
 class RolloutWorkers:
     """All rollout engines, driven as one (see the module docstring)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, weights_dir: Optional[str] = None) -> None:
+        """``weights_dir``: an HF folder every engine serves from the start (evaluation);
+        without it the engines wait for the actor's weights."""
         rollout = config.rollout
         on_gpu = engine_kind(config) == "sglang"
         # CPU engines share the machine's cores: oversubscribed OpenMP threads spin and
@@ -132,10 +139,12 @@ class RolloutWorkers:
         threads = config.ray.engine_num_threads or max(1, (os.cpu_count() or 1) // rollout.num_engines)
         options = {"num_cpus": 1, "num_gpus": (0.2 if rollout.colocate else rollout.engine_tp_size) if on_gpu else 0}
         self.engines = [
-            EngineWorker.options(**options).remote(config, index, 0 if on_gpu else threads)
+            EngineWorker.options(**options).remote(config, index, 0 if on_gpu else threads, weights_dir)
             for index in range(rollout.num_engines)
         ]
-        call_all([engine.health.remote() for engine in self.engines], "a rollout engine")
+        self.names = [f"rollout engine {index}" for index in range(len(self.engines))]
+        health = call_all([engine.health.remote() for engine in self.engines], "a rollout engine", self.names)
+        self.names = [f"rollout engine {h['index']} (pid {h['pid']})" for h in health]
         self._update_ranks = rollout.engine_tp_size if on_gpu else 1
         logger.info("rollout engines up: %d x %s", len(self.engines), rollout.engine)
 
@@ -155,32 +164,33 @@ class RolloutWorkers:
         Each engine gets a contiguous share and its own seed (``params.seed + index``).
         """
         shares = _split(len(prompts), len(self.engines))
-        refs, offsets = [], []
+        refs, offsets, names = [], [], []
         for index, (start, stop) in enumerate(shares):
             if start == stop:
                 continue
             engine_params = replace(params, seed=None if params.seed is None else params.seed + index)
             refs.append(self.engines[index].generate.remote(prompts[start:stop], engine_params, n))
             offsets.append(start)
+            names.append(self.names[index])
         results: list[Generation] = []
-        for offset, generations in zip(offsets, call_all(refs, "a rollout engine")):
+        for offset, generations in zip(offsets, call_all(refs, "a rollout engine", names)):
             for generation in generations:
                 generation.prompt_index += offset
                 results.append(generation)
         return results
 
     def release_memory(self) -> None:
-        call_all([engine.release_memory.remote() for engine in self.engines], "a rollout engine")
+        call_all([engine.release_memory.remote() for engine in self.engines], "a rollout engine", self.names)
 
     def resume_memory(self) -> None:
-        call_all([engine.resume_memory.remote() for engine in self.engines], "a rollout engine")
+        call_all([engine.resume_memory.remote() for engine in self.engines], "a rollout engine", self.names)
 
     def health(self) -> list[dict]:
-        return call_all([engine.health.remote() for engine in self.engines], "a rollout engine")
+        return call_all([engine.health.remote() for engine in self.engines], "a rollout engine", self.names)
 
     def served_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
         """Engine ``index``'s served weights (tests of small models)."""
-        return call_all([self.engines[index].served_weights.remote()], "a rollout engine")[0]
+        return call_all([self.engines[index].served_weights.remote()], "a rollout engine", [self.names[index]])[0]
 
     def shutdown(self) -> None:
         stop_all(self.engines, "rollout engine")

@@ -67,3 +67,28 @@ def test_a_mini_batch_without_loss_tokens_is_skipped_and_bad_ids_refused(tmp_pat
     refusals = sorted(report["refused"] for report in reports)
     assert "1 response token id(s) on another data-parallel rank are outside the vocabulary of 128" in refusals[0]
     assert "token id 10000 is a response token but the vocabulary has 128 ids" in refusals[1]
+
+
+def test_a_nonfinite_update_is_skipped_on_every_rank(tmp_path):
+    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+    launch_local(trainer_worker.nonfinite_update, 2, (str(tmp_path),))
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("nonfinite_rank*.json"))]
+    assert len(reports) == 2
+    for report in reports:
+        # The infinite weight is on rank 1 only; rank 0's own loss is finite, and it skips too.
+        assert report["bad"] == {"nonfinite": 1.0, "update_skipped": 1.0} and report["unchanged"]
+        assert not report["bad_loss_finite"]
+        assert report["good"] == {"nonfinite": 0.0, "update_skipped": 0.0} and report["moved"] > 10
+
+
+def test_a_failing_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
+    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+    launch_local(trainer_worker.failing_checkpoint_write, 2, (str(tmp_path),))
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("failing_write_rank*.json"))]
+    assert len(reports) == 2
+    for report in reports:
+        assert "writing the checkpoint of step 2" in report["error"]
+        assert f"the latest checkpoint is still {tmp_path / 'saves' / report['first']}" in report["error"]
+        assert report["entries"] == ["latest", report["first"]]  # the failed save left nothing
+        assert report["restored_step"] == 1 and report["restored"]
+    assert "No space left on device" in reports[0]["error"]

@@ -110,3 +110,82 @@ def empty_mini_batch(workdir: str) -> None:
             "state_kept": actor.rollout_step == step and actor.optimizer.param_groups[0]["lr"] == lr,
         }
     Path(workdir, f"empty_rank{info.rank}.json").write_text(json.dumps(report))
+
+
+def nonfinite_update(workdir: str) -> None:
+    """dp 2: one rank's loss is not finite (an infinite weight on that rank only). Neither rank
+    applies the update; the next, finite update applies on both."""
+    from dapo_megatron.actor.batch import shard_for_data_parallel
+
+    cfg = actor_config(1, 1, dp_size=2)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+        load_model_weights(actor, os.path.join(workdir, "init"))
+        batch = make_batch(3, [5, 7, 2, 9])
+        shard = shard_for_data_parallel(batch, info.dp_rank, 2, 1)
+        weight = actor.gpt.decoder.final_layernorm.weight
+        original = weight.detach().clone()
+        if info.dp_rank == 1:
+            with torch.no_grad():
+                weight[0] = float("inf")
+        before = {n: p.detach().clone() for n, p in actor.gpt.named_parameters()}
+        bad = actor.train(shard, 1)[0]
+        unchanged = all(torch.equal(p, before[n]) for n, p in actor.gpt.named_parameters())
+        with torch.no_grad():
+            weight.copy_(original)
+        good = actor.train(shard, 1)[0]
+        moved = sum(not torch.equal(p, before[n]) for n, p in actor.gpt.named_parameters())
+    report = {
+        "bad": {k: bad[k] for k in ("nonfinite", "update_skipped")},
+        "bad_loss_finite": bool(torch.isfinite(torch.tensor(bad["loss"]))),
+        "unchanged": unchanged,
+        "good": {k: good[k] for k in ("nonfinite", "update_skipped")},
+        "moved": moved,
+    }
+    Path(workdir, f"nonfinite_rank{info.rank}.json").write_text(json.dumps(report))
+
+
+def failing_checkpoint_write(workdir: str) -> None:
+    """dp 2: the second save fails on rank 0 as a full disk would (its shard file cannot be
+    written). Both ranks raise at once, nothing of that save is kept, and the first
+    checkpoint stays the latest and loads."""
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from dapo_megatron.actor.batch import shard_for_data_parallel
+    from dapo_megatron.actor.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
+
+    cfg = actor_config(1, 1, dp_size=2)
+    save_dir = os.path.join(workdir, "saves")
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+        load_model_weights(actor, os.path.join(workdir, "init"))
+        shard = shard_for_data_parallel(make_batch(3, [5, 7, 2, 9]), info.dp_rank, 2, 1)
+        actor.train(shard, 1)
+        first = save_checkpoint(actor, save_dir)
+        saved = {n: p.detach().clone() for n, p in actor.gpt.named_parameters()}
+        actor.train(shard, 1)
+        if info.rank == 0:
+
+            def full_disk(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            filesystem_async.open = full_disk  # the shard writer's open(), on this rank only
+        try:
+            save_checkpoint(actor, save_dir)
+            error = ""
+        except CheckpointWriteError as exc:
+            error = str(exc)
+        finally:
+            vars(filesystem_async).pop("open", None)
+        restored_step = load_checkpoint(actor, save_dir)
+        restored = all(torch.equal(p, saved[n]) for n, p in actor.gpt.named_parameters())
+    report = {
+        "error": error,
+        "first": first.name,
+        "entries": sorted(os.listdir(save_dir)),
+        "restored_step": restored_step,
+        "restored": restored,
+    }
+    Path(workdir, f"failing_write_rank{info.rank}.json").write_text(json.dumps(report))

@@ -71,7 +71,7 @@ def run_config(root: Path, out: Path, **overrides) -> dict:
             "micro_batch_max_tokens": 64,
             "output_dir": str(out),
         },
-        "checkpoint": {"save_every": 2},
+        "checkpoint": {"save_every": 2, "export_hf": False},
     }
     for dotted, value in overrides.items():
         section, key = dotted.split(".")

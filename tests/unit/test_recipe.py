@@ -257,6 +257,31 @@ def test_train_dry_run_for_a_two_node_allocation():
     overrides = train[0].split("dapo.yaml ", 1)[1].replace("\\[", "[").replace("\\]", "]").split()
     overrides = [o for o in overrides if not o.startswith("model.hf_config=")]
     assert make_plan(load_config(RECIPE, overrides)).fits
+    # A fresh run: no --resume; the trainer runs in the background so signals reach it.
+    assert "--resume" not in train[0] and "scontrol requeue" not in result.stdout
+
+
+def test_a_requeued_job_resumes_the_run_it_finds(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("{}")
+    result = _dry_run("train.sbatch", OUTPUT_DIR=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    train = [line for line in result.stdout.splitlines() if "dapo-megatron train" in line]
+    assert len(train) == 1 and train[0].endswith(" --resume")
+    script = (SCRIPTS / "train.sbatch").read_text()
+    assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@300" in script
+    assert "trap 'forward_to_train USR1' USR1" in script and "(( status == 75 ))" in script
+
+
+def test_the_cluster_takes_only_this_jobs_token():
+    result = _dry_run("train.sbatch")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    head = next(line for line in lines if "ray start --head" in line)
+    assert "--include-dashboard=false" in head
+    assert lines.index("+ make_ray_token") < lines.index(head)
+    script = (SCRIPTS / "train.sbatch").read_text()
+    assert "umask 077" in script and 'export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$RAY_TOKEN_FILE"' in script
 
 
 def test_convert_dry_run_and_missing_settings():

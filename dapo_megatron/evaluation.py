@@ -1,0 +1,166 @@
+"""``dapo-megatron eval``: avg@k and pass@k of a checkpoint, exactly as the trainer validates.
+
+DAPO reports AIME 2024 as avg@32: 32 responses per problem sampled at temperature 1.0 and
+top-p 0.7, and the mean accuracy over all of them. This command computes that number for
+any checkpoint with the run config's validation settings (``data.val_files``,
+``rollout.val_n_samples``, ``rollout.val_temperature``, ``rollout.val_top_p``) through the
+same code the trainer validates with (:func:`trainer.evaluate_policy`: the same engines,
+reward and metrics), so an ``eval`` figure and a validation curve are comparable.
+
+Problems repeated in the files (the published AIME parquet repeats each of its 30 problems
+32 times) are counted once: k samples per problem already average over the sampling.
+A Megatron checkpoint is first converted to HF safetensors by the converter (exact, and
+verified against transformers up to its size limit); the engines then serve those weights.
+Results: ``summary.json`` (overall and per data source), ``problems.jsonl`` (one record per
+problem: its k outcomes and the answers read from them) and a table on the console.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from dapo_megatron.config import Config, ConfigError, hf_model_folder, hf_weights_folder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    """What ``eval`` measured and where it wrote it."""
+
+    summary: dict
+    """``{"overall": {...}, "by_source": {source: {...}}, ...}`` with avg@k and pass@k."""
+    problems: list[dict]
+    """One record per distinct problem."""
+    out_dir: Path
+    """Folder holding ``summary.json`` and ``problems.jsonl``."""
+
+
+def evaluate(
+    config: Config,
+    *,
+    ckpt: Optional[str] = None,
+    hf_dir: Optional[str] = None,
+    out_dir: Optional[str] = None,
+) -> EvalResult:
+    """Evaluate a Megatron checkpoint (``ckpt``: a checkpoint or a save folder with
+    ``latest``) or an HF folder (``hf_dir``) on ``data.val_files``."""
+    from dapo_megatron.algo.rewards.pool import RewardPool
+    from dapo_megatron.data import load_tokenizer, validation_dataset
+    from dapo_megatron.orchestration.cluster import RayCluster
+    from dapo_megatron.orchestration.rollout import RolloutWorkers
+    from dapo_megatron.trainer import evaluate_policy
+
+    if (ckpt is None) == (hf_dir is None):
+        raise ConfigError("eval needs exactly one of --ckpt (a Megatron checkpoint) and --hf-dir (an HF folder)")
+    d, r = config.data, config.rollout
+    if not d.val_files:
+        raise ConfigError("eval needs data.val_files (the problems to evaluate on); none are set")
+    source = Path(ckpt or hf_dir)
+    if not source.exists():
+        raise ConfigError(f"{'--ckpt' if ckpt else '--hf-dir'} {source} does not exist")
+    out = (
+        Path(out_dir)
+        if out_dir
+        else Path(config.trainer.output_dir) / "eval" / f"{source.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(
+            f"eval output folder {out} already holds files; choose another --out (nothing is overwritten)"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+
+    weights = Path(hf_dir) if hf_dir else _converted(Path(ckpt), config, out / "hf")
+    tokenizer = load_tokenizer(d, hf_weights_folder(config.model) or weights)
+    dataset = validation_dataset(d.val_files, tokenizer, d, r.max_prompt_length)
+    start = time.perf_counter()
+    with ExitStack() as stack:
+        cpus = max(os.cpu_count() or 1, r.num_engines + 1)
+        stack.enter_context(RayCluster(config.ray, out, config.ray.num_cpus or cpus))
+        rewards = RewardPool(config.algorithm.reward_fn, config.algorithm.reward_timeout_s, min(os.cpu_count() or 1, 8))
+        stack.callback(rewards.close)
+        engines = RolloutWorkers(config, str(weights))
+        stack.callback(engines.shutdown)
+        metrics, samples = evaluate_policy(engines, rewards, dataset.prompts, config, tokenizer)
+    from dapo_megatron.experience import problem_results
+
+    problems = problem_results(samples)
+    summary = _summary(metrics, problems, config, source, time.perf_counter() - start, dataset.stats)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    with (out / "problems.jsonl").open("w") as handle:
+        for record in problems:
+            handle.write(json.dumps(record) + "\n")
+    return EvalResult(summary, problems, out)
+
+
+def _converted(ckpt: Path, config: Config, out: Path) -> Path:
+    """The Megatron checkpoint as HF safetensors (config.json from model.hf_config)."""
+    from dapo_megatron.ckpt.convert import megatron_to_hf
+
+    if config.model.hf_config is None:
+        raise ConfigError("eval --ckpt needs model.hf_config (the model's config.json) to convert the checkpoint")
+    config_json = Path(config.model.hf_config)
+    logger.info("converting %s to HF safetensors in %s", ckpt, out)
+    megatron_to_hf(ckpt, config_json if config_json.is_file() else hf_model_folder(config_json), out, progress=False)
+    return out
+
+
+def _summary(
+    metrics: dict[str, float], problems: list[dict], config: Config, source: Path, seconds: float, stats: dict
+) -> dict:
+    """avg@k (mean accuracy over every sample) and pass@k (share of problems solved by at
+    least one sample), overall and per data source: the validation metrics the trainer
+    logs (``val/...``), with the mean response length."""
+
+    def scores(prefix: str, records: list[dict]) -> dict:
+        attempts = sum(p["k"] for p in records)
+        return {
+            "problems": int(metrics[f"{prefix}/num_problems"]),
+            "avg_at_k": metrics[f"{prefix}/accuracy"],
+            "pass_at_k": metrics[f"{prefix}/pass_at_k"],
+            "mean_response_length": sum(sum(p["response_lengths"]) for p in records) / max(attempts, 1),
+        }
+
+    sources = sorted({p["data_source"] for p in problems})
+    r = config.rollout
+    return {
+        "source": str(source),
+        "k": r.val_n_samples,
+        "temperature": r.val_temperature,
+        "top_p": r.val_top_p,
+        "max_response_length": r.max_response_length,
+        "seed": r.seed,
+        "val_files": list(config.data.val_files),
+        "rows_read": stats["rows"],
+        "repeated_rows_counted_once": stats["duplicates_removed"],
+        "overall": scores("val", problems),
+        "by_source": {
+            name: scores(f"val/{name}", [p for p in problems if p["data_source"] == name]) for name in sources
+        },
+        "seconds": seconds,
+    }
+
+
+def format_table(summary: dict) -> str:
+    """The console table of ``eval``."""
+    k = summary["k"]
+    header = f"{'data source':<24} {'problems':>8} {f'avg@{k}':>8} {f'pass@{k}':>8} {'mean len':>9}"
+    lines = [header, "-" * len(header)]
+    rows = list(summary["by_source"].items()) + [("overall", summary["overall"])]
+    for name, s in rows:
+        lines.append(
+            f"{name:<24} {s['problems']:>8} {s['avg_at_k']:>8.1%} {s['pass_at_k']:>8.1%} {s['mean_response_length']:>9.1f}"
+        )
+    if summary["repeated_rows_counted_once"]:
+        lines.append(
+            f"({summary['rows_read']} rows, {summary['repeated_rows_counted_once']} repeats counted once; "
+            f"k = {k} samples per problem at temperature {summary['temperature']:g}, top-p {summary['top_p']:g})"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""The local Ray instance ``train`` starts refuses clients without its token."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+from dapo_megatron.config import RayConfig
+from dapo_megatron.orchestration.cluster import TOKEN_FILE, RayCluster
+
+CONNECT = "import ray; ray.init(address='{address}', logging_level='ERROR'); print('CONNECTED', ray.cluster_resources()['CPU'])"
+
+
+def test_a_client_without_the_token_is_refused(tmp_path):
+    import ray
+
+    outside = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    before = {k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH")}
+    with RayCluster(RayConfig(), tmp_path / "run", num_cpus=2) as cluster:
+        address = ray.get_runtime_context().gcs_address
+        token = cluster._token_file
+        assert token.name == TOKEN_FILE and stat.S_IMODE(token.stat().st_mode) == 0o600
+        assert ray.get(ray.remote(lambda: os.environ["RAY_AUTH_MODE"]).remote()) == "token"  # workers too
+
+        def connect(env: dict) -> subprocess.CompletedProcess:
+            command = [sys.executable, "-c", CONNECT.format(address=address)]
+            return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+        refused = connect({**outside, "RAY_AUTH_MODE": "disabled"})
+        assert refused.returncode != 0 and "CONNECTED" not in refused.stdout
+        wrong = connect({**outside, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
+        assert wrong.returncode != 0 and "CONNECTED" not in wrong.stdout
+        allowed = connect({**outside, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
+        assert allowed.returncode == 0 and "CONNECTED 2.0" in allowed.stdout, allowed.stderr[-2000:]
+    # Stopped: the secret is gone and this process's environment is as it was.
+    assert not token.exists()
+    assert {k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH")} == before

@@ -1,0 +1,139 @@
+"""A run's life: resume continues exactly where an uninterrupted run would be."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dapo_megatron.ckpt.dcp_io import latest_checkpoint, read_chunk, tensor_shapes
+from dapo_megatron.config import ConfigError, config_from_dict
+from dapo_megatron.trainer import TRAINER_STATE, train
+from tests.e2e.conftest import REPO, run_config
+
+# Four steps with a checkpoint every two; no validation (it is not part of the state).
+FOUR_STEPS = {
+    "trainer.num_steps": 4,
+    "checkpoint.save_every": 2,
+    "trainer.val_before_train": False,
+    "trainer.val_every": 0,
+}
+# Wall-clock figures differ between any two runs; everything else must not.
+TIMING_PREFIXES = ("time/", "throughput/", "sync/gb_per_s")
+
+
+def _metrics(run: Path) -> dict[int, dict[str, float]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = {}
+    for row in rows:
+        step = row.pop("step")
+        assert step not in steps, f"step {step} logged twice"
+        steps[step] = {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)}
+    return steps
+
+
+def _stored_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return {
+        key: read_chunk(checkpoint, key, (0,) * len(shape), shape, dtype)
+        for key, (shape, dtype) in tensor_shapes(checkpoint).items()
+    }
+
+
+@pytest.mark.timeout(900)
+def test_two_steps_resume_two_steps_equals_four_steps(tiny_model, tmp_path):
+    whole = tmp_path / "whole"
+    seen = {}
+    train(
+        config_from_dict(run_config(tiny_model, whole, **FOUR_STEPS, **{"checkpoint.export_hf": True})),
+        inspect=lambda actor, engines: seen.update(engine=engines.served_weights()),
+    )
+    split = tmp_path / "split"
+    first_half = train(config_from_dict(run_config(tiny_model, split, **{**FOUR_STEPS, "trainer.num_steps": 2})))
+    assert first_half.steps == 2
+    with pytest.raises(ConfigError, match="already holds a run .* pass --resume"):
+        train(config_from_dict(run_config(tiny_model, split, **FOUR_STEPS)))
+    result = train(config_from_dict(run_config(tiny_model, split, **FOUR_STEPS)), resume=True)
+    assert result.steps == 4 and (split / "config.resumed_at_step_2.yaml").exists()
+
+    expected, got = _metrics(whole), _metrics(split)
+    assert sorted(got) == [1, 2, 3, 4] == sorted(expected)
+    for step in range(1, 5):
+        assert got[step] == expected[step], step
+    assert {"reward/score_mean", "actor/loss", "actor/grad_norm", "response/length_mean"} <= set(got[4])
+
+    final_whole, final_split = latest_checkpoint(whole / "checkpoints"), latest_checkpoint(split / "checkpoints")
+    assert final_whole.name == final_split.name == "step_00000004"
+    stored_whole, stored_split = _stored_tensors(final_whole), _stored_tensors(final_split)
+    assert sorted(stored_whole) == sorted(stored_split) and any("optimizer" in k for k in stored_whole)
+    for key, tensor in stored_whole.items():
+        assert torch.equal(tensor, stored_split[key]), key
+    # The exported final policy is the engine's (synced after the last update) in HF form.
+    from safetensors.torch import load_file
+
+    exported = load_file(whole / "hf_final" / "model.safetensors")
+    assert (whole / "hf_final" / "config.json").exists() and (whole / "hf_final" / "tokenizer.json").exists()
+    assert sorted(exported) == sorted(seen["engine"])
+    assert all(torch.equal(exported[name], seen["engine"][name]) for name in exported)
+    state_whole = json.loads((final_whole / TRAINER_STATE).read_text())
+    assert state_whole == json.loads((final_split / TRAINER_STATE).read_text())
+    assert state_whole["step"] == 4 and state_whole["data"]["position"] > 0
+
+    # At another layout (tp 1 x pp 2 instead of tp 2): the same step and data position.
+    relaid = tmp_path / "relaid"
+    first = run_config(tiny_model, relaid, **{**FOUR_STEPS, "trainer.num_steps": 2})
+    train(config_from_dict(first))
+    other = run_config(tiny_model, relaid, **FOUR_STEPS)
+    other["parallel"].update(tp_size=1, pp_size=2)
+    train(config_from_dict(other), resume=True)
+    assert sorted(_metrics(relaid)) == [1, 2, 3, 4]
+    state = json.loads((latest_checkpoint(relaid / "checkpoints") / TRAINER_STATE).read_text())
+    assert state["step"] == 4 and state["data"] == state_whole["data"]
+
+
+def test_resume_without_a_checkpoint_is_refused(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match="nothing to resume: no checkpoint in the run's checkpoint folder"):
+        train(config_from_dict(run_config(tiny_model, tmp_path / "fresh", **FOUR_STEPS)), resume=True)
+
+
+@pytest.mark.timeout(900)
+def test_a_preemption_signal_saves_exits_75_and_resume_continues(tiny_model, tmp_path):
+    """SIGTERM mid-run (and a second one while it stops): the step finishes, a checkpoint
+    is saved, the exit status is 75; ``--resume`` continues after the saved step."""
+    run = tmp_path / "preempted"
+    config = run_config(tiny_model, run, **{**FOUR_STEPS, "checkpoint.save_every": 4})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "dapo_megatron", "train", str(path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().strip()) and process.poll() is None:
+        assert time.monotonic() < deadline, "the run logged no step"
+        time.sleep(0.2)
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)  # a second signal must not break the save
+    output, _ = process.communicate(timeout=600)
+    stopped_after = time.monotonic() - start
+    assert process.returncode == 75, output
+    assert "received SIGTERM again: already stopping" in output
+    checkpoint = latest_checkpoint(run / "checkpoints")
+    saved = json.loads((checkpoint / TRAINER_STATE).read_text())["step"]
+    assert 1 <= saved < 4 and f"stopped by SIGTERM after step {saved}" in output
+    assert sorted(_metrics(run)) == list(range(1, saved + 1))
+    print(f"preempted: stopped {stopped_after:.1f} s after the signal, at step {saved}")
+
+    resumed = subprocess.run([*command, "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert sorted(_metrics(run)) == [1, 2, 3, 4]
+    assert json.loads((latest_checkpoint(run / "checkpoints") / TRAINER_STATE).read_text())["step"] == 4
