@@ -323,7 +323,7 @@ def _collect_groups(
     accumulator = DynamicSamplingAccumulator(
         d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
     )
-    generated_tokens = all_equal = groups = 0
+    generated_tokens = all_equal = groups = timeouts = errors = 0
     round_index = 0
     while not accumulator.is_full:
         prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
@@ -332,6 +332,8 @@ def _collect_groups(
             engines, rewards, prompts, params, r.n_samples_per_prompt, round_index, config, tokenizer, times
         )
         generated_tokens += sum(len(s.response_ids) for s in samples)
+        timeouts += sum(s.timed_out for s in samples)
+        errors += sum(s.reward_error for s in samples)
         outcomes: dict = {}
         for sample in samples:
             outcomes.setdefault(sample.group_id, set()).add(sample.correct)
@@ -342,6 +344,9 @@ def _collect_groups(
     kept, _, sampling_metrics = accumulator.take()
     metrics = {
         **response_metrics(kept, r.max_response_length),
+        # Every reward call of the step counts, also those whose groups were dropped.
+        "reward/timeouts": float(timeouts),
+        "reward/errors": float(errors),
         **{f"dynamic_sampling/{k}": v for k, v in sampling_metrics.items()},
         "dynamic_sampling/batch_groups": len(kept) / r.n_samples_per_prompt,
         "dynamic_sampling/all_equal_share": all_equal / max(groups, 1),

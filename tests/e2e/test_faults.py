@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from dapo_megatron.ckpt.dcp_io import latest_checkpoint
-from dapo_megatron.trainer import TRAINER_STATE
+from dapo_megatron.config import config_from_dict
+from dapo_megatron.trainer import TRAINER_STATE, TrainingDiverged, train
 from tests.e2e.conftest import REPO, run_config
 
 SIX_STEPS = {
@@ -81,3 +82,45 @@ def test_a_killed_worker_ends_the_run_clearly_and_resume_continues(tiny_model, t
     resumed = subprocess.run([*command, "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert sorted(set(_logged_steps(run))) == [1, 2, 3, 4, 5, 6] and len(_logged_steps(run)) == 6
+
+
+@pytest.mark.timeout(600)
+def test_rewards_that_raise_or_hang_score_wrong_and_are_counted(tiny_model, tmp_path):
+    """One prompt whose reward raises, one whose reward hangs past the bound, two normal."""
+    rows = [
+        {"prompt": [{"role": "user", "content": q}], "reward_model": {"ground_truth": a}}
+        for q, a in (("1+2=", "3"), ("2+2=", "4"), ("3+3=", "6"), ("4+4=", "8"))
+    ]
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = run_config(tiny_model, tmp_path / "run", **{"trainer.num_steps": 1, "trainer.val_before_train": False})
+    config["data"].update(train_files=[str(train_file)], train_batch_size=1, mini_batch_size=4)
+    config["trainer"]["val_every"] = 0
+    config["algorithm"].update(reward_fn="tests.e2e.rewards:faulty", reward_timeout_s=1.0)
+    assert train(config_from_dict(config)).steps == 1
+    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    rounds = step["dynamic_sampling/rounds"]
+    # Every round generates 4 responses for each prompt: 4 raise and 4 time out per round.
+    assert step["reward/errors"] == 4 * rounds and step["reward/timeouts"] == 4 * rounds, step
+
+
+@pytest.mark.timeout(600)
+def test_steps_with_nonfinite_updates_stop_the_run_after_the_configured_count(tiny_model, tmp_path, monkeypatch):
+    """The trainer's side: updates the actor reports as non-finite (its own skip is tested in
+    tests/distributed/test_trainer_actor.py) are logged and stop the run at the limit."""
+    from dapo_megatron.orchestration.actor_group import ActorGroup
+
+    real_train = ActorGroup.train
+
+    def reported_nonfinite(self, batch, num_mini_batches, temperature):
+        updates = real_train(self, batch, num_mini_batches, temperature)
+        return [{**u, "loss": float("nan"), "nonfinite": 1.0, "update_skipped": 1.0} for u in updates]
+
+    monkeypatch.setattr(ActorGroup, "train", reported_nonfinite)
+    config = run_config(tiny_model, tmp_path / "run", **{**SIX_STEPS, "trainer.max_bad_steps_in_a_row": 2})
+    with pytest.raises(TrainingDiverged, match="stopped at step 2: 2 steps in a row") as info:
+        train(config_from_dict(config))
+    assert "actor/nonfinite_updates=" in str(info.value) and "step_00000001 (--resume continues from it)" in str(
+        info.value
+    )
+    assert _logged_steps(tmp_path / "run") == [1, 2]
