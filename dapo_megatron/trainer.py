@@ -484,12 +484,13 @@ def _update_metrics(all_updates: list[dict[str, float]]) -> dict[str, float]:
 
 def _export_hf(checkpoint: str, config: Config, out: Path) -> None:
     """The final policy as HF safetensors (config.json and tokenizer files copied)."""
-    from dapo_megatron.ckpt.convert import copy_tokenizer_files, megatron_to_hf
+    from dapo_megatron.ckpt.convert import copy_tokenizer_files, megatron_to_hf, silenced
 
     if config.model.hf_config is None:
         logger.warning("checkpoint.export_hf: no model.hf_config (config.json) to export with; skipped")
         return
-    report = megatron_to_hf(checkpoint, config.model.hf_config, out, overwrite=True, progress=False)
+    with silenced(True):  # the verification's library warnings; errors still raise
+        report = megatron_to_hf(checkpoint, config.model.hf_config, out, overwrite=True, progress=False)
     tokenizer_dir = config.data.tokenizer or hf_weights_folder(config.model)
     if tokenizer_dir is not None:
         copy_tokenizer_files(Path(tokenizer_dir), out)

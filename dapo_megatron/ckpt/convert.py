@@ -463,7 +463,7 @@ def _verify(hf_dir: Path, megatron_ckpt: Path, report: ConversionReport, dtype: 
 
 
 @contextlib.contextmanager
-def _silenced(enabled: bool) -> Iterator[None]:
+def silenced(enabled: bool) -> Iterator[None]:
     """``--quiet``: Python warnings, library logs and transformers' loading bar off."""
     if not enabled:
         yield
@@ -491,7 +491,7 @@ def _silenced(enabled: bool) -> Iterator[None]:
 
 def run_cli(direction: str, args, log: Callable[[str], None]) -> ConversionReport:
     """Entry point used by ``dapo-megatron convert`` and ``tools/convert_ckpt``."""
-    with _silenced(args.quiet):
+    with silenced(args.quiet):
         report = _convert_from_args(direction, args)
     checked = (
         f"verified against transformers (max relative logit error {report.max_logit_error:.2e})"
