@@ -7,13 +7,15 @@ or Ctrl-C, so nothing keeps running afterwards and nothing is written to ``~/.ra
 run joins that cluster and leaves it running: it was started by someone else.
 
 **Who may use it.** A Ray instance runs whatever a client that reaches its port submits.
-The local instance therefore requires a token (Ray's ``RAY_AUTH_MODE=token``): a fresh
-secret per instance, in a file only the user can read inside the instance's folder
-(removed when it stops), named to the driver and, through the environment, to every
-worker. A client without it is refused. (Ray cannot be bound to 127.0.0.1 alone: it
-replaces a loopback node address with the machine's own, ``resolve_ip_for_localhost``;
-the token is what keeps others out.) A joined cluster keeps its own settings: the
-driver takes ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH`` from the environment, which
+The local instance therefore listens on 127.0.0.1 only and requires a token (Ray's
+``RAY_AUTH_MODE=token``): a fresh secret per instance, in a file only the user can read
+inside the instance's folder (removed when it stops), named to the driver and, through
+the environment, to every worker; a client without it is refused. Ray has no option to
+bind a Linux node to the loopback address (``ray.init(_node_ip_address="127.0.0.1")`` is
+replaced by the machine's address); its single-machine mode, which it uses on macOS and
+Windows (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), does exactly that, so the local
+instance runs in that mode. A joined cluster keeps its own settings: the driver takes
+``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH`` from the environment, which
 ``train.sbatch`` sets for the cluster it starts.
 
 Unix socket paths are limited to 107 bytes; when the run folder is too deep for Ray's
@@ -44,6 +46,19 @@ TOKEN_FILE = "auth_token"
 _AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
 
 
+_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Set to 0, Ray runs as one machine on the loopback address (its macOS/Windows mode)."""
+
+
+def _set_ray_cluster_mode(enabled: bool) -> bool:
+    """Switch this process's Ray between cluster mode and loopback-only; the old value."""
+    from ray._private import ray_constants
+
+    previous = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = enabled
+    return previous
+
+
 def _reload_ray_auth_settings() -> None:
     """Make this process's Ray read ``RAY_AUTH_*`` again: it reads them once, when first
     imported, and caches the token (as Ray's own tests do between clusters)."""
@@ -71,6 +86,7 @@ class RayCluster:
         self._link: Optional[Path] = None
         self._token_file: Optional[Path] = None
         self._saved_env: dict[str, Optional[str]] = {}
+        self._saved_cluster_mode = True
 
     def __enter__(self) -> RayCluster:
         import ray
@@ -144,9 +160,13 @@ class RayCluster:
         descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w") as handle:
             handle.write(secrets.token_hex(32))
-        self._saved_env = {name: os.environ.get(name) for name in _AUTH_VARIABLES}
+        self._saved_env = {name: os.environ.get(name) for name in _AUTH_VARIABLES + (_SINGLE_MACHINE,)}
         os.environ.pop("RAY_AUTH_TOKEN", None)
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
+        # Loopback only: the driver decides the node's address now; the processes Ray
+        # starts read the variable when they import it.
+        os.environ[_SINGLE_MACHINE] = "0"
+        self._saved_cluster_mode = _set_ray_cluster_mode(False)
         self._token_file = token_file
         _reload_ray_auth_settings()
 
@@ -160,6 +180,7 @@ class RayCluster:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        _set_ray_cluster_mode(self._saved_cluster_mode)
         _reload_ray_auth_settings()
 
     def _temp_dir(self) -> Path:
