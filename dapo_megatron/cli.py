@@ -1,11 +1,13 @@
 """The ``dapo-megatron`` command line.
 
-One executable with a sub-command per task (``config``, ``plan``, ``train``, ``convert``;
-``bench`` arrives with its component). Sub-commands import their
+One executable with a sub-command per task (``config``, ``plan``, ``train``, ``eval``,
+``convert``; ``bench`` arrives with its component). Sub-commands import their
 components lazily, so ``dapo-megatron --help`` and ``dapo-megatron config`` work on any
 machine, with or without megatron's GPU extras. Exit status: 0 on success, 2 for a
 config or usage error (with a message that names the key, the value and the rule), 1 for
-a failure while running.
+a failure while running (a dead worker, a diverged run, dynamic sampling exhausted), 75
+when ``train`` stopped on SIGTERM/SIGUSR1 after saving (run it again with ``--resume``),
+130 on Ctrl-C.
 """
 
 from __future__ import annotations
