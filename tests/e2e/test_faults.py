@@ -19,8 +19,8 @@ from dapo_megatron.config import config_from_dict
 from dapo_megatron.trainer import TRAINER_STATE, TrainingDiverged, train
 from tests.e2e.conftest import REPO, run_config
 
-SIX_STEPS = {
-    "trainer.num_steps": 6,
+FOUR_STEPS = {
+    "trainer.num_steps": 4,
     "checkpoint.save_every": 1,
     "trainer.val_before_train": False,
     "trainer.val_every": 0,
@@ -54,7 +54,7 @@ def _ray_workers(root: int, title: str) -> list[psutil.Process]:
 def test_a_killed_worker_ends_the_run_clearly_and_resume_continues(tiny_model, tmp_path, title, named):
     run = tmp_path / "run"
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(run_config(tiny_model, run, **SIX_STEPS)))
+    path.write_text(yaml.safe_dump(run_config(tiny_model, run, **FOUR_STEPS)))
     command = [sys.executable, "-m", "dapo_megatron", "train", str(path)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -78,10 +78,11 @@ def test_a_killed_worker_ends_the_run_clearly_and_resume_continues(tiny_model, t
     saved = json.loads((checkpoint / TRAINER_STATE).read_text())["step"]
     assert saved >= 1
     print(f"{title} killed: the run ended {seconds:.1f} s later; last checkpoint step {saved}")
-
+    if title != "ray::ActorRank":
+        return  # resuming after a fault is one path whichever worker died; it runs once
     resumed = subprocess.run([*command, "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert sorted(set(_logged_steps(run))) == [1, 2, 3, 4, 5, 6] and len(_logged_steps(run)) == 6
+    assert sorted(set(_logged_steps(run))) == [1, 2, 3, 4] and len(_logged_steps(run)) == 4
 
 
 @pytest.mark.timeout(600)
@@ -117,7 +118,7 @@ def test_steps_with_nonfinite_updates_stop_the_run_after_the_configured_count(ti
         return [{**u, "loss": float("nan"), "nonfinite": 1.0, "update_skipped": 1.0} for u in updates]
 
     monkeypatch.setattr(ActorGroup, "train", reported_nonfinite)
-    config = run_config(tiny_model, tmp_path / "run", **{**SIX_STEPS, "trainer.max_bad_steps_in_a_row": 2})
+    config = run_config(tiny_model, tmp_path / "run", **{**FOUR_STEPS, "trainer.max_bad_steps_in_a_row": 2})
     with pytest.raises(TrainingDiverged, match="stopped at step 2: 2 steps in a row") as info:
         train(config_from_dict(config))
     assert "actor/nonfinite_updates=" in str(info.value) and "step_00000001 (--resume continues from it)" in str(
