@@ -86,14 +86,14 @@ def test_two_steps_resume_two_steps_equals_four_steps(tiny_model, tmp_path):
     assert state_whole == json.loads((final_split / TRAINER_STATE).read_text())
     assert state_whole["step"] == 4 and state_whole["data"]["position"] > 0
 
-    # At another layout (tp 1 x pp 2 instead of tp 2): the same step and data position.
+    # At another layout (tp 1 x pp 2 instead of tp 2), from checkpoint.load_dir (a new run
+    # folder has no checkpoint of its own): the same step and data position.
     relaid = tmp_path / "relaid"
-    first = run_config(tiny_model, relaid, **{**FOUR_STEPS, "trainer.num_steps": 2})
-    train(config_from_dict(first))
     other = run_config(tiny_model, relaid, **FOUR_STEPS)
     other["parallel"].update(tp_size=1, pp_size=2)
+    other["checkpoint"]["load_dir"] = str(whole / "checkpoints" / "step_00000002")
     train(config_from_dict(other), resume=True)
-    assert sorted(_metrics(relaid)) == [1, 2, 3, 4]
+    assert sorted(_metrics(relaid)) == [3, 4]
     state = json.loads((latest_checkpoint(relaid / "checkpoints") / TRAINER_STATE).read_text())
     assert state["step"] == 4 and state["data"] == state_whole["data"]
 
