@@ -82,11 +82,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _resume_hint(config) -> str:
     """Where a failed run can continue from."""
-    from pathlib import Path
-
     from dapo_megatron.ckpt.dcp_io import latest_checkpoint
+    from dapo_megatron.config import checkpoint_save_dir
 
-    save_dir = config.checkpoint.save_dir or str(Path(config.trainer.output_dir) / "checkpoints")
+    save_dir = checkpoint_save_dir(config)
     try:
         latest = latest_checkpoint(save_dir)
     except FileNotFoundError as exc:

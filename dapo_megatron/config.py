@@ -505,16 +505,16 @@ def hf_model_folder(hf_config: Optional[str | os.PathLike]) -> Optional[Path]:
     return path if path.is_dir() else path.parent
 
 
+def checkpoint_save_dir(config: Config) -> Path:
+    """Where the run's checkpoints go: ``checkpoint.save_dir``, else ``<output_dir>/checkpoints``."""
+    return Path(config.checkpoint.save_dir or Path(config.trainer.output_dir) / "checkpoints")
+
+
 def hf_weights_folder(model: ModelConfig) -> Optional[Path]:
     """The HF folder the run's initial weights and default tokenizer come from."""
     if model.hf_weights is not None:
         return Path(model.hf_weights)
     return hf_model_folder(model.hf_config)
-
-
-def _config_json_path(hf_config: str | os.PathLike) -> Path:
-    path = Path(hf_config)
-    return path / "config.json" if path.is_dir() else path
 
 
 def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
@@ -524,7 +524,9 @@ def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
     the RoPE base: top-level ``rope_theta`` (transformers 4.x, released Qwen2.5) and
     ``rope_parameters.rope_theta`` (transformers 5.x).
     """
-    path = _config_json_path(hf_config)
+    path = Path(hf_config)
+    if path.is_dir():
+        path = path / "config.json"
     try:
         hf = json.loads(path.read_text())
     except OSError as exc:

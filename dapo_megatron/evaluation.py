@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dapo_megatron.config import Config, ConfigError, hf_model_folder, hf_weights_folder
+from dapo_megatron.config import Config, ConfigError, hf_weights_folder
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def evaluate(
     from dapo_megatron.data import load_tokenizer, validation_dataset
     from dapo_megatron.orchestration.cluster import RayCluster
     from dapo_megatron.orchestration.rollout import RolloutWorkers
-    from dapo_megatron.trainer import evaluate_policy
+    from dapo_megatron.trainer import evaluate_policy, export_hf
 
     if (ckpt is None) == (hf_dir is None):
         raise ConfigError("eval needs exactly one of --ckpt (a Megatron checkpoint) and --hf-dir (an HF folder)")
@@ -77,7 +77,12 @@ def evaluate(
         )
     out.mkdir(parents=True, exist_ok=True)
 
-    weights = Path(hf_dir) if hf_dir else _converted(Path(ckpt), config, out / "hf")
+    if ckpt:
+        weights = out / "hf"
+        logger.info("converting %s to HF safetensors in %s", ckpt, weights)
+        export_hf(ckpt, config, weights)
+    else:
+        weights = Path(hf_dir)
     tokenizer = load_tokenizer(d, hf_weights_folder(config.model) or weights)
     dataset = validation_dataset(d.val_files, tokenizer, d, r.max_prompt_length)
     start = time.perf_counter()
@@ -98,18 +103,6 @@ def evaluate(
         for record in problems:
             handle.write(json.dumps(record) + "\n")
     return EvalResult(summary, problems, out)
-
-
-def _converted(ckpt: Path, config: Config, out: Path) -> Path:
-    """The Megatron checkpoint as HF safetensors (config.json from model.hf_config)."""
-    from dapo_megatron.ckpt.convert import megatron_to_hf
-
-    if config.model.hf_config is None:
-        raise ConfigError("eval --ckpt needs model.hf_config (the model's config.json) to convert the checkpoint")
-    config_json = Path(config.model.hf_config)
-    logger.info("converting %s to HF safetensors in %s", ckpt, out)
-    megatron_to_hf(ckpt, config_json if config_json.is_file() else hf_model_folder(config_json), out, progress=False)
-    return out
 
 
 def _summary(

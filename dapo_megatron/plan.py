@@ -379,7 +379,7 @@ def _candidate_changes(config: Config) -> list[tuple[str, str]]:
     m, p, r, t = config.model, config.parallel, config.rollout, config.trainer
     changes = []
     world = p.world_size
-    sglang = planned_engine(config) == "sglang" and p.device != "cpu"
+    sglang = planned_engine(config) == "sglang"  # never on the CPU: validation refuses it
     if sglang and r.colocate and r.num_engines * r.engine_tp_size != world and world % r.engine_tp_size == 0:
         changes.append((f"rollout.num_engines={world // r.engine_tp_size}", "one engine per engine_tp_size GPUs"))
     if not m.recompute_activations:

@@ -28,10 +28,11 @@ from typing import Optional
 import torch
 
 from dapo_megatron.actor.batch import PolicyBatch
+from dapo_megatron.actor.checkpoint import checkpoint_dir
 from dapo_megatron.algo import DynamicSamplingAccumulator
 from dapo_megatron.algo.metrics import rollout_consistency
 from dapo_megatron.algo.rewards.pool import RewardPool
-from dapo_megatron.config import Config, ConfigError, hf_weights_folder
+from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir, hf_weights_folder
 from dapo_megatron.data import PromptDataset, PromptLoader, load_tokenizer, validation_dataset
 from dapo_megatron.experience import (
     Sample,
@@ -176,7 +177,7 @@ def train(
     weights with the actor's).
     """
     run_dir = Path(config.trainer.output_dir)
-    save_dir = config.checkpoint.save_dir or str(run_dir / "checkpoints")
+    save_dir = str(checkpoint_save_dir(config))
     resume_from = _resume_point(config, save_dir) if resume else None
     earlier = run_dir / "metrics.jsonl"
     if resume_from is None and earlier.exists() and earlier.stat().st_size:
@@ -243,6 +244,12 @@ def train(
 
         val_before = validate(0) if config.trainer.val_before_train and resume_from is None else None
         last_checkpoint = str(resume_from[0]) if resume_from else None
+
+        def save(step: int) -> str:
+            """The actor's checkpoint of ``step``, with the trainer's state inside it."""
+            state = _trainer_state(step, loader, config, len(train_data.prompts))
+            return actor.save(save_dir, config.checkpoint.keep_last, {TRAINER_STATE: state})
+
         val_after = val_before
         bad_steps = BadStepCounter(config.trainer.max_bad_steps_in_a_row)
         for step in range(start_step + 1, config.trainer.num_steps + 1):
@@ -278,19 +285,20 @@ def train(
                 step % config.checkpoint.save_every == 0 or step == config.trainer.num_steps
             )
             if due or stop.signal_name is not None:
-                state = _trainer_state(step, loader, config, len(train_data.prompts))
-                last_checkpoint = actor.save(save_dir, config.checkpoint.keep_last, {TRAINER_STATE: state})
+                last_checkpoint = save(step)
             if stop.signal_name is not None:
                 raise Preempted(stop.signal_name, step, last_checkpoint)
             if config.trainer.val_every and step % config.trainer.val_every == 0 and step != config.trainer.num_steps:
                 validate(step)
         if config.trainer.val_before_train or config.trainer.val_every:
             val_after = validate(config.trainer.num_steps)
-        if config.checkpoint.export_hf:
-            if last_checkpoint is None or Path(last_checkpoint).name != f"step_{config.trainer.num_steps:08d}":
-                state = _trainer_state(config.trainer.num_steps, loader, config, len(train_data.prompts))
-                last_checkpoint = actor.save(save_dir, config.checkpoint.keep_last, {TRAINER_STATE: state})
-            _export_hf(last_checkpoint, config, run_dir / "hf_final")
+        if config.checkpoint.export_hf and config.model.hf_config is None:
+            logger.warning("checkpoint.export_hf: no model.hf_config (config.json) to export with; skipped")
+        elif config.checkpoint.export_hf:
+            final = checkpoint_dir(save_dir, config.trainer.num_steps)
+            if last_checkpoint is None or Path(last_checkpoint) != final:
+                last_checkpoint = save(config.trainer.num_steps)
+            export_hf(last_checkpoint, config, run_dir / "hf_final")
         if inspect is not None:
             inspect(actor, engines)
     return TrainResult(run_dir, config.trainer.num_steps, val_before, val_after, last_checkpoint)
@@ -482,20 +490,21 @@ def _update_metrics(all_updates: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
-def _export_hf(checkpoint: str, config: Config, out: Path) -> None:
-    """The final policy as HF safetensors (config.json and tokenizer files copied)."""
+def export_hf(checkpoint: str | Path, config: Config, out: Path) -> None:
+    """A Megatron checkpoint as HF safetensors, verified as ``convert`` verifies, with
+    config.json from ``model.hf_config`` and the tokenizer files copied (the final policy
+    of a run; ``eval --ckpt``)."""
     from dapo_megatron.ckpt.convert import copy_tokenizer_files, megatron_to_hf, silenced
 
     if config.model.hf_config is None:
-        logger.warning("checkpoint.export_hf: no model.hf_config (config.json) to export with; skipped")
-        return
+        raise ConfigError("exporting a checkpoint to HF needs model.hf_config (the model's config.json)")
     with silenced(True):  # the verification's library warnings; errors still raise
         report = megatron_to_hf(checkpoint, config.model.hf_config, out, overwrite=True, progress=False)
     tokenizer_dir = config.data.tokenizer or hf_weights_folder(config.model)
     if tokenizer_dir is not None:
         copy_tokenizer_files(Path(tokenizer_dir), out)
     checked = f"verified (max relative logit error {report.max_logit_error:.1e})" if report.verified else "not verified"
-    logger.info("final policy exported to %s (%s)", out, checked)
+    logger.info("%s exported to %s (%s)", checkpoint, out, checked)
 
 
 TRAINER_STATE = "trainer_state.json"

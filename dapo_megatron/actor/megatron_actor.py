@@ -404,9 +404,7 @@ class MegatronActor:
             update_ok, grad_norm, _ = self.optimizer.step()
         else:
             # A NaN or infinite loss or gradient on any rank: no rank updates (weights and
-            # optimizer state stay as they were); the trainer counts such steps.
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
+            # optimizer state stay as they were; the next update zeroes the gradients).
             update_ok, grad_norm = False, float("nan")
         totals = torch.zeros(len(_SUM_KEYS) + 1, dtype=torch.float64, device=self.device)
         if self.is_last_stage:

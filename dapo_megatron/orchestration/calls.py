@@ -11,7 +11,7 @@ running.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import ray
 
@@ -36,11 +36,12 @@ def call_all(refs: list, what: str, names: Optional[list[str]] = None) -> list:
     and its own exception, or how its process died.
     """
     position = {ref: index for index, ref in enumerate(refs)}
+    results: list = [None] * len(refs)
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
         for ref in done:
-            failure = _failure(ref, names[position[ref]] if names else what)
+            results[position[ref]], failure = _outcome(ref, names[position[ref]] if names else what)
             if failure is None:
                 continue
             if not isinstance(failure.__cause__, ray.exceptions.RayActorError) and pending:
@@ -48,30 +49,27 @@ def call_all(refs: list, what: str, names: Optional[list[str]] = None) -> list:
                 # collective whose connection closed): if one did, name it first.
                 more, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
                 for other in more:
-                    died = _failure(other, names[position[other]] if names else what)
+                    _, died = _outcome(other, names[position[other]] if names else what)
                     if died is not None and isinstance(died.__cause__, ray.exceptions.RayActorError):
                         raise MemberFailed(f"{died}; then {failure}") from died.__cause__
             raise failure
-    return ray.get(refs)
+    return results
 
 
 DEATH_GRACE_S = 5.0
 """How long a failure waits to see whether a peer died (Ray reports a death in about a second)."""
 
 
-def _failure(ref, member: str) -> Optional[MemberFailed]:
-    """The member's failure as a MemberFailed (its cause attached), or None if it succeeded."""
+def _outcome(ref, member: str) -> tuple[Any, Optional[MemberFailed]]:
+    """The member's result, or its failure as a MemberFailed (its cause attached)."""
     try:
-        ray.get(ref)
+        return ray.get(ref), None
     except ray.exceptions.RayTaskError as exc:
-        failure = MemberFailed(f"{member} failed: {cause_of(exc)}")
-        failure.__cause__ = exc
-        return failure
+        failure, cause = MemberFailed(f"{member} failed: {cause_of(exc)}"), exc
     except ray.exceptions.RayActorError as exc:
-        failure = MemberFailed(f"{member} died: {_death(exc)}")
-        failure.__cause__ = exc
-        return failure
-    return None
+        failure, cause = MemberFailed(f"{member} died: {_death(exc)}"), exc
+    failure.__cause__ = cause
+    return None, failure
 
 
 def _death(exc: BaseException) -> str:

@@ -114,7 +114,7 @@ class RayCluster:
             if self._short_dir
             else "",
         )
-        self._require_token(temp_dir)
+        self._make_private(temp_dir)
         try:
             ray.init(
                 num_cpus=self.num_cpus,
@@ -126,7 +126,7 @@ class RayCluster:
                 runtime_env=runtime_env,
             )
         except BaseException:
-            self._forget_token()
+            self._end_private()
             raise
         self.started_here = True
         return self
@@ -140,7 +140,7 @@ class RayCluster:
 
         if ray.is_initialized():
             ray.shutdown()
-        self._forget_token()
+        self._end_private()
         if self._short_dir is not None:
             # Keep the instance's logs with the run: the folder moves in place of its link.
             link = self._link
@@ -153,8 +153,8 @@ class RayCluster:
                 shutil.rmtree(self._short_dir, ignore_errors=True)
             self._short_dir = None
 
-    def _require_token(self, folder: Path) -> None:
-        """A fresh secret for this instance, readable by the user only; Ray told to use it."""
+    def _make_private(self, folder: Path) -> None:
+        """Loopback only, and a fresh secret readable by the user only that Ray is told to require."""
         token_file = folder / TOKEN_FILE
         token_file.unlink(missing_ok=True)
         descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -170,7 +170,7 @@ class RayCluster:
         self._token_file = token_file
         _reload_ray_auth_settings()
 
-    def _forget_token(self) -> None:
+    def _end_private(self) -> None:
         if self._token_file is None:
             return
         self._token_file.unlink(missing_ok=True)
