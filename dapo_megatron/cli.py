@@ -1,7 +1,7 @@
 """The ``dapo-megatron`` command line.
 
 One executable with a sub-command per task (``config``, ``plan``, ``train``, ``eval``,
-``convert``; ``bench`` arrives with its component). Sub-commands import their
+``convert``, ``bench``). Sub-commands import their
 components lazily, so ``dapo-megatron --help`` and ``dapo-megatron config`` work on any
 machine, with or without megatron's GPU extras. Exit status: 0 on success, 2 for a
 config or usage error (with a message that names the key, the value and the rule), 1 for
@@ -110,6 +110,35 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+    import logging
+
+    from dapo_megatron.bench.report import format_report
+    from dapo_megatron.bench.run import BenchOptions, check_phases, run_bench
+
+    config = load_config(args.file, args.overrides)
+    logging.basicConfig(
+        level=config.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
+    options = BenchOptions(
+        phases=check_phases(args.phases.split(",")),
+        steps=args.steps,
+        warmup=args.warmup,
+        reward_responses=args.reward_responses,
+        peak_tflops=args.peak_tflops,
+        peak_tb_per_s=args.peak_tb_per_s,
+        extra={"command": " ".join(["dapo-megatron", "bench", args.file, *args.overrides])},
+    )
+    result = run_bench(config, options)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from dapo_megatron.ckpt.convert import run_cli
 
@@ -214,6 +243,22 @@ def build_parser() -> argparse.ArgumentParser:
     weights.add_argument("--ckpt", help="a Megatron checkpoint (or a save folder with a 'latest' file)")
     weights.add_argument("--hf-dir", help="an HF model folder (safetensors)")
     evaluate.add_argument("--out", help="output folder (default: <trainer.output_dir>/eval/<name>-<time>)")
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure every phase of a DAPO step against this machine's ceilings",
+        description="Start the run's system (Ray, the actor, the engines) and time generation, the old-log-prob "
+        "pass, the DAPO updates, weight sync, the reward and whole steps; report seconds, tokens/s, peak memory, "
+        "model FLOPs and their fraction of a plain matmul, a plain copy and (on a GPU) the published peak.",
+    )
+    _config_arguments(bench, _cmd_bench)
+    bench.add_argument("--phases", default="generate,logprob,train,sync,reward,step", help="comma-separated")
+    bench.add_argument("--steps", type=int, default=3, help="measured repetitions of each phase (default 3)")
+    bench.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first (default 1)")
+    bench.add_argument("--json", metavar="FILE", help="write every figure to FILE")
+    bench.add_argument("--reward-responses", type=int, default=2000, help="responses in the reward mix")
+    bench.add_argument("--peak-tflops", type=float, help="per-device peak to compute MFU against (default: published)")
+    bench.add_argument("--peak-tb-per-s", type=float, help="per-device memory bandwidth (default: published)")
 
     convert = commands.add_parser(
         "convert",

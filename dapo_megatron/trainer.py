@@ -189,39 +189,19 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     config_name = f"config.resumed_at_step_{start_step}.yaml" if resume_from else "config.yaml"
     (run_dir / config_name).write_text(config.to_yaml())
-    r, a, d = config.rollout, config.algorithm, config.data
-
-    tokenizer = load_tokenizer(d, hf_weights_folder(config.model))
-    if tokenizer.eos_token_id is None:
-        raise ConfigError(f"the tokenizer of data.tokenizer={d.tokenizer!r} has no EOS token to stop responses on")
-    train_data = PromptDataset(d.train_files, tokenizer, d, r.max_prompt_length)
-    val_data = validation_dataset(d.val_files, tokenizer, d, r.max_prompt_length) if d.val_files else None
-    loader = PromptLoader(train_data, seed=d.seed, shuffle=d.shuffle)
+    tokenizer, train_data, val_data, loader = load_run_data(config)
     if resume_from is not None:
         _check_resumable(resume_from, config, len(train_data.prompts))
         loader.load_state_dict(resume_from[1]["data"])
-    stop_ids = (tokenizer.eos_token_id,)
-    sampling = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, stop_ids)
-    num_updates = d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size
+    sampling = training_sampling(config, tokenizer)
 
     with ExitStack() as stack:
-        cpus = max(os.cpu_count() or 1, config.parallel.world_size + r.num_engines + 1)
-        stack.enter_context(RayCluster(config.ray, run_dir, config.ray.num_cpus or cpus))
-        # After ray.init, which installs its own SIGTERM handler (it would end the process).
-        stop = stack.enter_context(_StopRequest().installed())
-        rewards = RewardPool(a.reward_fn, a.reward_timeout_s, num_workers=min(os.cpu_count() or 1, 8))
-        stack.callback(rewards.close)
+        system = start_system(config, run_dir, stack)
+        actor, engines, rewards, stop = system.actor, system.engines, system.rewards, system.stop
         metrics_log = MetricsLogger(
             run_dir, config.logging, config.trainer.num_steps, resume_after=start_step if resume_from else None
         )
         stack.callback(metrics_log.close)
-        actor = ActorGroup(config)
-        stack.callback(actor.shutdown)
-        engines = RolloutWorkers(config)
-        stack.callback(engines.shutdown)
-
-        def sync_engines():
-            return actor.sync_weights(engines.handles, r.weight_sync_bucket_mb * 2**20, engines.num_update_ranks)
 
         if resume_from is not None:
             restored = actor.load_checkpoint(str(resume_from[0]), config.trainer.seed)
@@ -231,9 +211,9 @@ def train(
                 )
             logger.info("resumed from %s: continuing after step %d", resume_from[0], start_step)
         else:
-            _load_initial_weights(actor, config)
+            load_initial_weights(actor, config)
         # The engines start from the actor's weights: both sides hold the same policy.
-        sync_engines()
+        system.sync_engines()
 
         def validate(step: int) -> Optional[float]:
             if val_data is None:
@@ -253,32 +233,10 @@ def train(
         val_after = val_before
         bad_steps = BadStepCounter(config.trainer.max_bad_steps_in_a_row)
         for step in range(start_step + 1, config.trainer.num_steps + 1):
-            step_start = time.perf_counter()
-            times: dict[str, float] = {}
-
-            # 1-4. Prompts, responses, rewards, dynamic sampling: the step's groups.
-            samples, rollout_metrics = _collect_groups(
-                engines, rewards, loader, sampling, config, tokenizer, step, times
-            )
-
-            # 5. Advantages by prompt identity; old log-probs; DAPO updates.
-            batch = build_policy_batch(samples, a)
-            if r.colocate:
-                engines.release_memory()
-            with _timed(times, "old_log_prob"):
-                batch.old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature)
-            with _timed(times, "train"):
-                updates = actor.train(batch, num_updates, r.temperature)
-
-            # 6. Weight sync into every engine.
-            if r.colocate:
-                engines.resume_memory()
-            with _timed(times, "sync"):
-                sync = sync_engines()
-            times["step"] = time.perf_counter() - step_start
+            # 1-6. Generate, score and filter; log-probs and updates; weight sync.
+            step_metrics = dapo_step(system, loader, sampling, tokenizer, step)
 
             # 7. Metrics, checkpoint, validation.
-            step_metrics = {**rollout_metrics, **_step_metrics(samples, batch, entropy, updates, sync, times)}
             metrics_log.log(step, step_metrics)
             bad_steps.record(step, step_metrics, last_checkpoint)
             due = config.checkpoint.save_every and (
@@ -302,6 +260,94 @@ def train(
         if inspect is not None:
             inspect(actor, engines)
     return TrainResult(run_dir, config.trainer.num_steps, val_before, val_after, last_checkpoint)
+
+
+def load_run_data(config: Config) -> tuple:
+    """The tokenizer, the training and validation prompts, and the training loader at
+    its start: ``(tokenizer, train_data, val_data or None, loader)``."""
+    r, d = config.rollout, config.data
+    tokenizer = load_tokenizer(d, hf_weights_folder(config.model))
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"the tokenizer of data.tokenizer={d.tokenizer!r} has no EOS token to stop responses on")
+    train_data = PromptDataset(d.train_files, tokenizer, d, r.max_prompt_length)
+    val_data = validation_dataset(d.val_files, tokenizer, d, r.max_prompt_length) if d.val_files else None
+    return tokenizer, train_data, val_data, PromptLoader(train_data, seed=d.seed, shuffle=d.shuffle)
+
+
+@dataclass
+class System:
+    """The running parts of a run, started by :func:`start_system`: the actor's ranks, the
+    rollout engines, the reward pool and the preemption-signal catcher."""
+
+    config: Config
+    actor: ActorGroup
+    engines: RolloutWorkers
+    rewards: RewardPool
+    stop: _StopRequest
+
+    def sync_engines(self) -> SyncStats:
+        """The actor's current weights into every engine."""
+        r = self.config.rollout
+        return self.actor.sync_weights(
+            self.engines.handles, r.weight_sync_bucket_mb * 2**20, self.engines.num_update_ranks
+        )
+
+
+def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
+    """Start Ray (logs under ``run_dir``), the reward pool, the actor and the engines;
+    ``stack`` stops each of them when it closes. ``train`` and ``bench`` run the same one."""
+    r = config.rollout
+    cpus = max(os.cpu_count() or 1, config.parallel.world_size + r.num_engines + 1)
+    stack.enter_context(RayCluster(config.ray, run_dir, config.ray.num_cpus or cpus))
+    # After ray.init, which installs its own SIGTERM handler (it would end the process).
+    stop = stack.enter_context(_StopRequest().installed())
+    rewards = RewardPool(config.algorithm.reward_fn, config.algorithm.reward_timeout_s, min(os.cpu_count() or 1, 8))
+    stack.callback(rewards.close)
+    actor = ActorGroup(config)
+    stack.callback(actor.shutdown)
+    engines = RolloutWorkers(config)
+    stack.callback(engines.shutdown)
+    return System(config, actor, engines, rewards, stop)
+
+
+def training_sampling(config: Config, tokenizer) -> SamplingParams:
+    """``rollout.*``: the sampling of training rollouts (stopping at the tokenizer's EOS)."""
+    r = config.rollout
+    return SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, (tokenizer.eos_token_id,))
+
+
+def dapo_step(system: System, loader: PromptLoader, sampling: SamplingParams, tokenizer, step: int) -> dict[str, float]:
+    """Steps 1-6 of DAPO (see the module docstring); the step's metrics, with each
+    phase's seconds (``time/<phase>``), the whole call's (``time/step``, metrics
+    included) and the part of it in no phase (``time/outside_phases``)."""
+    config, actor, engines = system.config, system.actor, system.engines
+    r, a, d = config.rollout, config.algorithm, config.data
+    start = time.perf_counter()
+    times: dict[str, float] = {}
+
+    # 1-4. Prompts, responses, rewards, dynamic sampling: the step's groups.
+    samples, rollout_metrics = _collect_groups(
+        engines, system.rewards, loader, sampling, config, tokenizer, step, times
+    )
+
+    # 5. Advantages by prompt identity; old log-probs; DAPO updates.
+    batch = build_policy_batch(samples, a)
+    if r.colocate:
+        engines.release_memory()
+    with _timed(times, "old_log_prob"):
+        batch.old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature)
+    with _timed(times, "train"):
+        updates = actor.train(batch, d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size, r.temperature)
+
+    # 6. Weight sync into every engine.
+    if r.colocate:
+        engines.resume_memory()
+    with _timed(times, "sync"):
+        sync = system.sync_engines()
+    metrics = {**rollout_metrics, **_step_metrics(samples, batch, entropy, updates, sync, times)}
+    metrics["time/step"] = time.perf_counter() - start
+    metrics["time/outside_phases"] = metrics["time/step"] - sum(times.values())
+    return metrics
 
 
 @contextmanager
@@ -432,7 +478,7 @@ def evaluate_policy(
     return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}, samples
 
 
-def _load_initial_weights(actor: ActorGroup, config: Config) -> None:
+def load_initial_weights(actor: ActorGroup, config: Config) -> None:
     """A converted Megatron checkpoint (``checkpoint.load_dir``), else the HF folder's
     safetensors (converted on load), else the random initialisation (with a warning)."""
     from dapo_megatron.ckpt.dcp_io import latest_checkpoint

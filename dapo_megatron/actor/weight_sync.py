@@ -17,7 +17,13 @@ on every rank of the first data-parallel replica:
   they arrive (``engine.update_weights``).
 
 No rank ever holds more than one parameter's full tensor plus one bucket, never the
-whole model. Unsharded parameters travel as views of the live weights (no copy); the
+whole model.
+
+Engines that accept *pieces* (``accepts_pieces``: the transformers engine) can instead be
+fed by every rank of the first replica directly (:func:`iter_piece_buckets`): each rank
+sends views of its own shards with their place in the HF tensor
+(:func:`~dapo_megatron.ckpt.qwen2_mapping.shard_to_hf_pieces`), so nothing is gathered,
+rearranged or relayed between stages, and the engine's copy is the only one. Unsharded parameters travel as views of the live weights (no copy); the
 engine copies what it receives before the sync returns, and training does not resume
 until then.
 """
@@ -39,6 +45,7 @@ from dapo_megatron.ckpt.qwen2_mapping import (
     Qwen2Shape,
     canonical_layer_param,
     megatron_layer_key,
+    shard_to_hf_pieces,
     to_hf,
 )
 from dapo_megatron.rollout.engine import RolloutEngine, SyncStats, WeightBucket, WeightSyncError
@@ -112,6 +119,45 @@ def iter_weight_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iter
             bucket, size = WeightBucket(), 0
         bucket.tensors.append((name, tensor))
         size += tensor.nbytes
+    if bucket.tensors:
+        yield bucket
+
+
+def iter_piece_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
+    """This rank's own shards as buckets of pieces (views of its parameters, with their
+    offsets in the HF tensors); empty on ranks outside the first data-parallel replica.
+    No collective: every rank of the replica calls it independently."""
+    if actor.runtime.dp_rank != 0:
+        return
+    gpt = actor.gpt
+    shape = Qwen2Shape.from_model_config(actor.model_config)
+    tp_rank, tp_size = actor.runtime.tp_rank, actor.parallel.tp_size
+    params = dict(gpt.named_parameters())
+    order: list[tuple[str, str, Optional[int]]] = []
+    if gpt.pre_process:
+        order.append((EMBEDDING, "embedding.word_embeddings.weight", None))
+    for local_index, layer in enumerate(gpt.decoder.layers):
+        prefix = f"decoder.layers.{local_index}."
+        for name in sorted(n[len(prefix) :] for n in params if n.startswith(prefix)):
+            canonical = canonical_layer_param(name)
+            if canonical not in LAYER_PARAMS:
+                raise WeightSyncError(f"no HF mapping for actor parameter {prefix}{name}")
+            order.append((megatron_layer_key(canonical), prefix + name, layer.layer_number - 1))
+    if gpt.post_process:
+        order.append((FINAL_NORM, "decoder.final_layernorm.weight", None))
+        if not shape.tie_word_embeddings:
+            order.append((OUTPUT_LAYER, "output_layer.weight", None))
+    bucket, size = WeightBucket(), 0
+    for key, param_name, layer_index in order:
+        for name, piece, offset in shard_to_hf_pieces(
+            key, params[param_name].detach(), shape, layer_index, tp_rank, tp_size
+        ):
+            if bucket.tensors and size + piece.nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = WeightBucket(), 0
+            bucket.tensors.append((name, piece))
+            bucket.offsets.append(offset)
+            size += piece.nbytes
     if bucket.tensors:
         yield bucket
 

@@ -239,3 +239,55 @@ def megatron_tensor_order(shape: Qwen2Shape) -> list[tuple[str, int | None]]:
     if not shape.tie_word_embeddings:
         order.append((OUTPUT_LAYER, None))
     return order
+
+
+def shard_to_hf_pieces(
+    megatron_key: str,
+    shard: torch.Tensor,
+    shape: Qwen2Shape,
+    layer: int | None,
+    tp_rank: int,
+    tp_size: int,
+) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """One tensor-parallel rank's shard of a Megatron tensor as ``(hf_name, piece,
+    offset)``: each piece is a view of ``shard`` (no copy) that belongs at ``offset`` (its
+    start index in every dimension) of the full HF tensor, so the ranks of a stage can
+    each send their own shards and no rank gathers the others'.
+
+    Sharding is megatron's: q/k/v by query group and gate/up by rows (column parallel,
+    each rank holding ``[gate_r; up_r]``), the output projection and down by columns
+    (row parallel), the embedding and output layer by padded vocabulary rows (padding
+    dropped). Unsharded tensors (the norms) are sent whole by tensor-parallel rank 0 only.
+    """
+    names = hf_names_of(megatron_key, layer)
+    d, h, f = shape.head_dim, shape.hidden_size, shape.ffn_hidden_size
+    zeros = (0,) * (shard.dim() - 1)
+    if megatron_key.endswith("linear_qkv.weight") or megatron_key.endswith("linear_qkv.bias"):
+        local_groups = shape.num_query_groups // tp_size
+        q_rows = shape.heads_per_group * d
+        block = q_rows + 2 * d
+        if shard.shape[0] != local_groups * block:
+            raise ValueError(f"{megatron_key}: shard of {shard.shape[0]} rows, expected {local_groups * block}")
+        pieces = []
+        for j in range(local_groups):
+            group = tp_rank * local_groups + j
+            rows = shard[j * block : (j + 1) * block]
+            pieces += [
+                (names[0], rows[:q_rows], (group * q_rows, *zeros)),
+                (names[1], rows[q_rows : q_rows + d], (group * d, *zeros)),
+                (names[2], rows[q_rows + d :], (group * d, *zeros)),
+            ]
+        return pieces
+    if megatron_key.endswith("linear_fc1.weight"):
+        local = f // tp_size
+        if shard.shape != (2 * local, h):
+            raise ValueError(f"{megatron_key}: shard of shape {tuple(shard.shape)}, expected {(2 * local, h)}")
+        return [(names[0], shard[:local], (tp_rank * local, 0)), (names[1], shard[local:], (tp_rank * local, 0))]
+    if megatron_key.endswith("linear_proj.weight") or megatron_key.endswith("linear_fc2.weight"):
+        columns = shard.shape[1]
+        return [(names[0], shard, (0, tp_rank * columns))]
+    if megatron_key in VOCAB_KEYS:
+        start = tp_rank * shard.shape[0]
+        rows = max(0, min(shape.vocab_size - start, shard.shape[0]))
+        return [(names[0], shard[:rows], (start, 0))] if rows else []
+    return [(names[0], shard, (0,) * shard.dim())] if tp_rank == 0 else []

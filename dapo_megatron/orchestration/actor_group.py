@@ -205,6 +205,23 @@ class ActorRank:
 
         return load_checkpoint(self.actor, path, seed=seed)
 
+    def matmul_flops_per_s(self, shapes: list[tuple[int, int]], tokens: int, repeats: int) -> float:
+        """FLOP/s of plain matmuls at ``shapes`` in this rank's parameter dtype, on its
+        device (the benchmark's compute ceiling)."""
+        from dapo_megatron.runtime.measure import matmul_flops_per_s
+
+        dtype = next(self.actor.gpt.parameters()).dtype
+        return matmul_flops_per_s(shapes, tokens, dtype, self.actor.device, repeats)
+
+    def peak_memory(self, reset: bool) -> int:
+        """This rank's peak memory since the last reset (then reset it, if ``reset``)."""
+        from dapo_megatron.runtime.measure import peak_memory_bytes, reset_peak_memory
+
+        peak = peak_memory_bytes(self.actor.device)
+        if reset:
+            reset_peak_memory(self.actor.device)
+        return peak
+
     def node_id(self) -> str:
         """The Ray node this rank runs on."""
         return ray.get_runtime_context().get_node_id()
@@ -233,6 +250,29 @@ class ActorRank:
             for buffer in self.actor.hf_export_buffers.values():
                 share_storage(buffer)
         return asdict(stats) if stats is not None else None
+
+    def feed_pieces(self, engines: list, bucket_bytes: int) -> dict:
+        """Send this rank's own shards, as pieces by handle, to every engine of an open
+        weight-update session (:func:`iter_piece_buckets`: no collective, no copy here).
+        Returns the bytes and tensors sent."""
+        from dapo_megatron.actor.weight_sync import iter_piece_buckets
+        from dapo_megatron.orchestration.handles import SharedBucketBuffer
+
+        if not self._buffers:
+            self._buffers = [SharedBucketBuffer(self.actor.device) for _ in range(2)]
+        pending: list = []
+        num_bytes = num_tensors = num_buckets = 0
+        for index, bucket in enumerate(iter_piece_buckets(self.actor, bucket_bytes)):
+            # Pieces of the (shared) parameters travel as references: packing copies nothing,
+            # unless a piece is not contiguous shared memory, which is then staged.
+            handle = self._buffers[index % 2].pack(bucket)
+            ray.get(pending)
+            pending = [engine.load_weight_bucket_handle.remote(handle, False) for engine in engines]
+            num_bytes += bucket.num_bytes
+            num_tensors += len(bucket.tensors)
+            num_buckets += 1
+        ray.get(pending)
+        return {"num_bytes": num_bytes, "num_tensors": num_tensors, "num_buckets": num_buckets}
 
     def _host_update_group(self, engines: list, engine_ranks: int):
         """Rank 0 of a new weight-update group; every engine joins with its offset."""
@@ -392,6 +432,8 @@ class ActorGroup:
         engine is fed by a rank on its own node (:meth:`plan_feeders`). Separate engines
         are all fed by rank 0, which hosts their weight-update group.
         """
+        if feeders is None and self._feeds_pieces(engines):
+            return self._sync_by_pieces(engines, bucket_bytes)
         if feeders is None:
             feeders = self.plan_feeders(engines) if self.config.rollout.colocate else {0: list(range(len(engines)))}
         # Checked here, before any rank acts: a rank wrongly made a feeder of separate
@@ -416,6 +458,42 @@ class ActorGroup:
             sum(s.num_buckets for s in done),
         )
 
+    def _feeds_pieces(self, engines: list) -> bool:
+        """Whether every rank of the first replica can feed every engine its own shards:
+        colocated transformers engines on the CPU runtime, all on the ranks' one node
+        (handles name shared memory, which only that node can map)."""
+        from dapo_megatron.orchestration.rollout import engine_kind
+
+        if not (self.config.rollout.colocate and self.infos[0]["device"] == "cpu" and engine_kind(self.config) == "hf"):
+            return False
+        if self._node_ids is None:
+            self._node_ids = call_all([r.node_id.remote() for r in self.ranks], "an actor rank", self.names)
+        engine_nodes = call_all([engine.node_id.remote() for engine in engines], "a rollout engine")
+        return len(set(self._node_ids) | set(engine_nodes)) == 1
+
+    def _sync_by_pieces(self, engines: list, bucket_bytes: int) -> SyncStats:
+        """Every first-replica rank sends its own shards to every engine, all at once,
+        inside one update session per engine (see :meth:`ActorRank.feed_pieces`)."""
+        start = time.perf_counter()
+        senders = [i for i, info in enumerate(self.infos) if info["dp_rank"] == 0]
+        call_all([e.begin_weight_update.remote() for e in engines], "a rollout engine")
+        try:
+            sent = call_all(
+                [self.ranks[i].feed_pieces.remote(engines, bucket_bytes) for i in senders],
+                "an actor rank",
+                [self.names[i] for i in senders],
+            )
+            call_all([e.end_weight_update.remote() for e in engines], "a rollout engine")
+        except Exception as exc:
+            ray.get([e.abort_weight_update.remote() for e in engines])
+            raise WeightSyncError(f"weight sync into the rollout engines failed: {cause_of(exc)}") from exc
+        return SyncStats(
+            time.perf_counter() - start,
+            sum(s["num_bytes"] for s in sent),
+            sum(s["num_tensors"] for s in sent),
+            sum(s["num_buckets"] for s in sent),
+        )
+
     def plan_feeders(self, engines: list) -> dict[int, list[int]]:
         """Each engine is fed by the lowest rank on its node that may feed (a stage leader
         of the first replica or a rank of another one), else by rank 0. Asked of Ray once
@@ -431,6 +509,16 @@ class ActorGroup:
                 plan.setdefault(local[0] if local else 0, []).append(index)
             self._feeder_plans[key] = plan
         return self._feeder_plans[key]
+
+    def matmul_flops_per_s(self, shapes: list[tuple[int, int]], tokens: int, repeats: int = 3) -> list[float]:
+        """Each rank's plain-matmul FLOP/s at ``shapes``, all ranks measuring at once."""
+        return call_all(
+            [r.matmul_flops_per_s.remote(shapes, tokens, repeats) for r in self.ranks], "an actor rank", self.names
+        )
+
+    def peak_memory(self, reset: bool = False) -> list[int]:
+        """Each rank's peak memory (bytes) since its last reset; ``reset`` starts a new one."""
+        return call_all([r.peak_memory.remote(reset) for r in self.ranks], "an actor rank", self.names)
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """The full model in HF names (tests of small models)."""

@@ -87,6 +87,8 @@ class BucketHandle:
     """Handles of flat ``uint8`` buffers (see :func:`tensor_handle`)."""
     layout: tuple[tuple[str, tuple[int, ...], torch.dtype, int, int], ...]
     """``(hf_name, shape, dtype, buffer_index, byte_offset)`` of each (contiguous) tensor."""
+    offsets: tuple[tuple[int, ...], ...] = ()
+    """The bucket's piece offsets (see :class:`WeightBucket`); empty for whole tensors."""
 
     @property
     def num_bytes(self) -> int:
@@ -157,7 +159,7 @@ class SharedBucketBuffer:
             self._flat[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
             layout.append((name, tuple(tensor.shape), tensor.dtype, index_of(self._handle), offset))
             offset += _aligned(size)
-        return BucketHandle(tuple(buffers), tuple(layout))
+        return BucketHandle(tuple(buffers), tuple(layout), tuple(bucket.offsets))
 
     def close(self) -> None:
         """Drop the staging buffer and the references (shared memory goes once every
@@ -190,7 +192,7 @@ class BucketReceiver:
         for name, shape, dtype, index, offset in bucket.layout:
             size = torch.Size(shape).numel() * dtype.itemsize
             tensors.append((name, flats[index][offset : offset + size].view(dtype).view(shape)))
-        return WeightBucket(tensors)
+        return WeightBucket(tensors, list(bucket.offsets))
 
     def close(self) -> None:
         """Drop every mapping."""

@@ -82,6 +82,17 @@ class EngineWorker:
     def resume_memory(self) -> None:
         self.engine.resume_memory()
 
+    def peak_memory(self, reset: bool) -> int:
+        """This engine's peak memory since the last reset (then reset it, if ``reset``): its
+        process's (an SGLang engine's scheduler runs in processes of its own, not counted)."""
+        from dapo_megatron.runtime.measure import peak_memory_bytes, reset_peak_memory
+
+        device = torch.device(getattr(self.engine, "device", "cpu"))
+        peak = peak_memory_bytes(device)
+        if reset:
+            reset_peak_memory(device)
+        return peak
+
     def health(self) -> dict:
         return {**self.engine.health(), "index": self.index, "pid": os.getpid()}
 
@@ -184,6 +195,10 @@ class RolloutWorkers:
 
     def resume_memory(self) -> None:
         call_all([engine.resume_memory.remote() for engine in self.engines], "a rollout engine", self.names)
+
+    def peak_memory(self, reset: bool = False) -> list[int]:
+        """Each engine's peak memory (bytes) since its last reset; ``reset`` starts a new one."""
+        return call_all([engine.peak_memory.remote(reset) for engine in self.engines], "a rollout engine", self.names)
 
     def health(self) -> list[dict]:
         return call_all([engine.health.remote() for engine in self.engines], "a rollout engine", self.names)

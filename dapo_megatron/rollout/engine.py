@@ -73,6 +73,10 @@ class WeightBucket:
 
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     """``(hf_name, tensor)`` pairs."""
+    offsets: list[tuple[int, ...]] = field(default_factory=list)
+    """Empty: every tensor is whole. Otherwise one per tensor: the tensor is a *piece* of
+    the HF tensor, starting at this index in every dimension (one tensor-parallel rank's
+    shard; engines that accept pieces say so with ``accepts_pieces``)."""
 
     @property
     def num_bytes(self) -> int:
@@ -112,6 +116,10 @@ class WeightSyncError(RuntimeError):
 
 class RolloutEngine(abc.ABC):
     """Generates responses; receives weights. See the module docstring."""
+
+    accepts_pieces: bool = False
+    """Whether :meth:`load_weight_bucket` takes buckets of pieces (``WeightBucket.offsets``),
+    so every tensor-parallel rank can send its own shards without a gather."""
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Generation]:

@@ -45,3 +45,31 @@ def test_two_engines_fed_by_two_ranks_get_exactly_the_model(tiny_model, tmp_path
     for weights in served:
         assert set(weights) == set(expected)
         assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
+@pytest.mark.timeout(600)
+def test_every_rank_feeds_its_own_pieces_to_two_engines_at_tp2_pp2(tiny_model, tmp_path):
+    """The default colocated CPU sync: all four ranks (tp 2 x pp 2) send views of their own
+    shards to both engines at once; each engine then serves exactly the model."""
+    from safetensors.torch import load_file
+
+    raw = run_config(tiny_model, tmp_path / "run", **{"rollout.num_engines": 2, "rollout.colocate": True})
+    raw["parallel"].update(tp_size=2, pp_size=2, num_devices_per_node=4)
+    config = config_from_dict(raw, "pieces")
+    expected = load_file(str(tiny_model / "model/model.safetensors"))
+    with RayCluster(config.ray, tmp_path / "run", num_cpus=6):
+        actor, engines = ActorGroup(config), RolloutWorkers(config)
+        try:
+            actor.load_weights("hf", str(tiny_model / "model"))
+            stats = actor.sync_weights(engines.handles, 2**16)
+            stats = actor.sync_weights(engines.handles, 2**16)  # a second sync, into the swapped buffers
+            served = [engines.served_weights(i) for i in range(2)]
+        finally:
+            engines.shutdown()
+            actor.shutdown()
+    # Each element is sent once (by the rank holding it), whatever the number of engines.
+    assert stats.num_bytes == sum(t.nbytes for t in expected.values())
+    assert stats.num_buckets >= 4  # every rank sent its own
+    for weights in served:
+        assert set(weights) == set(expected)
+        assert all(torch.equal(weights[name], expected[name]) for name in expected)

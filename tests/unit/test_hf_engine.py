@@ -70,7 +70,7 @@ def _failing_stream(state):
     [
         (
             lambda s: buckets_of({k: v for k, v in s.items() if "layers.1.mlp.up_proj" not in k}),
-            "partial weight sync: 1 tensors never arrived \\(model.layers.1.mlp.up_proj.weight\\)",
+            "partial weight sync: 1 tensors never arrived whole \\(model.layers.1.mlp.up_proj.weight\\)",
         ),
         (
             lambda s: buckets_of({**s, "model.layers.9.mlp.up_proj.weight": torch.zeros(1)}),
@@ -155,3 +155,37 @@ def test_bad_requests():
         engine.generate([[]], SamplingParams())
     with pytest.raises(ValueError, match="top_p=0"):
         SamplingParams(top_p=0)
+
+
+def _halves(state: dict) -> list[WeightBucket]:
+    """Every tensor as two pieces (row halves), in two buckets: as two ranks would send them."""
+    buckets = [WeightBucket(), WeightBucket()]
+    for name, tensor in state.items():
+        rows = tensor.shape[0] // 2
+        for half, (start, piece) in enumerate(((0, tensor[:rows]), (rows, tensor[rows:]))):
+            buckets[half].tensors.append((name, piece.clone()))
+            buckets[half].offsets.append((start, *([0] * (tensor.dim() - 1))))
+    return buckets
+
+
+def test_pieces_assemble_the_model_and_bad_pieces_keep_the_previous_weights():
+    engine, source = engine_pair()
+    stats = engine.update_weights(_halves(source.state_dict()))
+    assert stats.num_bytes == sum(t.nbytes for t in source.state_dict().values())
+    assert all(torch.equal(engine.state_dict()[k], v) for k, v in source.state_dict().items())
+    before = snapshot(engine)
+    _, other = engine_pair(seed=5)
+    first, second = _halves(other.state_dict())
+    name = "model.layers.0.mlp.down_proj.weight"
+    outside = WeightBucket([(name, torch.zeros(4, 64))], [(30, 0)])  # rows 30..33 of 32
+    twice = WeightBucket([first.tensors[0]], [first.offsets[0]])
+    for bad, message in (
+        ([first, outside], "outside its shape"),
+        ([first, second, twice], "more of .* than its"),
+        ([first], "partial weight sync"),
+    ):
+        with pytest.raises(WeightSyncError, match=message):
+            engine.update_weights(bad)
+        assert all(torch.equal(engine.state_dict()[k], v) for k, v in before.items())
+    engine.update_weights([first, second])
+    assert all(torch.equal(engine.state_dict()[k], v) for k, v in other.state_dict().items())
