@@ -1,0 +1,100 @@
+"""The plots of ``docs/performance.md``, from a ``bench --json`` file and a run's metrics.
+
+Run: ``.venv/bin/python benchmarks/plot_performance.py --bench BENCH.json
+--metrics runs/demo/run-<time>/metrics.jsonl --out docs/img`` (needs the ``bench`` extra:
+matplotlib). Writes
+
+- ``step_breakdown.png``: one step's median seconds per phase and the share in no phase;
+- ``demo_learning.png``: reward, training accuracy, validation accuracy and response
+  length over the run's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PHASE_LABELS = {
+    "generate": "generate",
+    "reward": "reward",
+    "old_log_prob": "old log-prob",
+    "train": "train",
+    "sync": "weight sync",
+    "outside_phases": "in no phase",
+}
+
+
+def plot_step_breakdown(bench: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    step = bench["phases"]["step"]
+    names = list(PHASE_LABELS)
+    seconds = [step["phases"][name]["seconds"] for name in names]
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    left = 0.0
+    for name, value in zip(names, seconds):
+        ax.barh([0], [value], left=left, label=f"{PHASE_LABELS[name]} ({step['phases'][name]['share']:.1%})")
+        left += value
+    ax.set_yticks([])
+    ax.set_xlabel("seconds (medians of the measured steps)")
+    layout = bench["config"]["layout"]
+    ax.set_title(
+        f"One DAPO step: {layout['world_size']} actor ranks (tp {layout['tp_size']}, pp {layout['pp_size']}), "
+        f"{layout['num_engines']} {layout['engine']} engine(s)",
+        fontsize=9,
+    )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    path = out / "step_breakdown.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_learning(metrics_file: Path, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "reward/score_mean" in r]
+    val = [r for r in rows if "val/accuracy" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    steps = [r["step"] for r in train]
+    left.plot(steps, [r["reward/score_mean"] for r in train], label="reward (kept groups)", lw=1)
+    left.plot(steps, [r["reward/accuracy"] for r in train], label="training accuracy (kept groups)", lw=1)
+    left.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], "o-", label="validation accuracy (greedy)")
+    left.set_xlabel("step")
+    left.legend(fontsize=7)
+    left.set_title("reward and accuracy", fontsize=9)
+    right.plot(steps, [r["response/length_mean"] for r in train], lw=1)
+    right.set_xlabel("step")
+    right.set_title("mean response length (tokens)", fontsize=9)
+    fig.tight_layout()
+    path = out / "demo_learning.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench", type=Path, required=True, help="a `dapo-megatron bench --json` file")
+    parser.add_argument("--metrics", type=Path, required=True, help="a run's metrics.jsonl")
+    parser.add_argument("--out", type=Path, default=Path("docs/img"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for path in (
+        plot_step_breakdown(json.loads(args.bench.read_text()), args.out),
+        plot_learning(args.metrics, args.out),
+    ):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The performance page's plots are written from a bench JSON and a run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_plot_script_writes_both_figures(tmp_path):
+    phases = {
+        name: {"seconds": s, "share": s / 1.0}
+        for name, s in (
+            ("generate", 0.4),
+            ("reward", 0.05),
+            ("old_log_prob", 0.1),
+            ("train", 0.3),
+            ("sync", 0.1),
+            ("outside_phases", 0.05),
+        )
+    }
+    bench = {
+        "phases": {"step": {"phases": phases}},
+        "config": {"layout": {"world_size": 2, "tp_size": 1, "pp_size": 1, "num_engines": 1, "engine": "hf"}},
+    }
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    rows = [{"step": 0, "val/accuracy": 0.03}]
+    rows += [
+        {"step": s, "reward/score_mean": -1 + s / 5, "reward/accuracy": s / 10, "response/length_mean": 3.0}
+        for s in range(1, 6)
+    ]
+    rows.append({"step": 5, "val/accuracy": 0.3})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks/plot_performance.py"),
+            "--bench",
+            str(tmp_path / "bench.json"),
+            "--metrics",
+            str(tmp_path / "metrics.jsonl"),
+            "--out",
+            str(tmp_path / "img"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    for name in ("step_breakdown.png", "demo_learning.png"):
+        data = (tmp_path / "img" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
