@@ -126,7 +126,9 @@ def iter_weight_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iter
 def iter_piece_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
     """This rank's own shards as buckets of pieces (views of its parameters, with their
     offsets in the HF tensors); empty on ranks outside the first data-parallel replica.
-    No collective: every rank of the replica calls it independently."""
+    No collective: every rank of the replica calls it independently. ``bucket_bytes``
+    bounds the bytes of a bucket that must be staged to be sent: pieces of parameters in
+    shared memory (colocated engines on the CPU) are references, so they all fit in one."""
     if actor.runtime.dp_rank != 0:
         return
     gpt = actor.gpt
@@ -152,12 +154,15 @@ def iter_piece_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Itera
         for name, piece, offset in shard_to_hf_pieces(
             key, params[param_name].detach(), shape, layer_index, tp_rank, tp_size
         ):
-            if bucket.tensors and size + piece.nbytes > bucket_bytes:
+            # A bucket bounds what must be staged (copied into a shareable buffer) to
+            # send it; a piece of shared memory travels as a reference and stages nothing.
+            staged = 0 if piece.is_shared() and piece.is_contiguous() else piece.nbytes
+            if bucket.tensors and size + staged > bucket_bytes:
                 yield bucket
                 bucket, size = WeightBucket(), 0
             bucket.tensors.append((name, piece))
             bucket.offsets.append(offset)
-            size += piece.nbytes
+            size += staged
     if bucket.tensors:
         yield bucket
 

@@ -24,6 +24,7 @@ import gc
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -56,6 +57,29 @@ def _update_session(engines: list, what: str, stream) -> SyncStats:
     return stats
 
 
+def _stream_by_handle(buckets, buffers: list, engines: list, keep=None) -> tuple[int, int, int]:
+    """Pack each bucket into the next of ``buffers`` and hand its handle to every engine
+    without waiting for the previous one (an engine works through its calls in order, so
+    it never idles between buckets); wait only before reusing a buffer, for the bucket
+    packed into it last; ``keep(handle)`` sees every handle. Returns ``(bytes, tensors,
+    buckets)`` sent."""
+    in_flight: deque = deque()
+    num_bytes = num_tensors = num_buckets = 0
+    for index, (bucket, last) in enumerate(with_last_flag(buckets)):
+        if len(in_flight) == len(buffers):
+            ray.get(in_flight.popleft())
+        handle = buffers[index % len(buffers)].pack(bucket)
+        if keep is not None:
+            keep(handle)
+        in_flight.append([engine.load_weight_bucket_handle.remote(handle, last) for engine in engines])
+        num_bytes += bucket.num_bytes
+        num_tensors += len(bucket.tensors)
+        num_buckets += 1
+    while in_flight:
+        ray.get(in_flight.popleft())
+    return num_bytes, num_tensors, num_buckets
+
+
 class _EngineFanout:
     """Looks like one engine to :func:`sync_weights`; feeds every engine by handle, in parallel."""
 
@@ -67,19 +91,7 @@ class _EngineFanout:
         start = time.perf_counter()
 
         def stream() -> SyncStats:
-            pending: list = []
-            num_bytes = num_tensors = num_buckets = 0
-            for index, (bucket, last) in enumerate(with_last_flag(buckets)):
-                # Pack this bucket into the buffer the engines finished with two buckets
-                # ago, while they may still be copying the previous one out of the other.
-                handle = self.buffers[index % 2].pack(bucket)
-                ray.get(pending)
-                pending = [engine.load_weight_bucket_handle.remote(handle, last) for engine in self.engines]
-                num_bytes += bucket.num_bytes
-                num_tensors += len(bucket.tensors)
-                num_buckets += 1
-            ray.get(pending)
-            return SyncStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)
+            return SyncStats(time.perf_counter() - start, *_stream_by_handle(buckets, self.buffers, self.engines))
 
         return _update_session(self.engines, "weight sync", stream)
 
@@ -125,6 +137,7 @@ class ActorRank:
         self.actor = None
         self.info = None
         self._buffers: list = []
+        self._piece_handles: Optional[tuple] = None  # (key, handles, sent) of the last piece sync
         self._update_group = None
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -254,25 +267,40 @@ class ActorRank:
     def feed_pieces(self, engines: list, bucket_bytes: int) -> dict:
         """Send this rank's own shards, as pieces by handle, to every engine of an open
         weight-update session (:func:`iter_piece_buckets`: no collective, no copy here).
-        Returns the bytes and tensors sent."""
+        Returns the bytes, tensors and buckets sent.
+
+        Pieces are views of the parameters, which live in shared memory and keep their
+        storage from step to step: their handles are the same every sync, so they are made
+        once and resent as they are while the parameters' storage is unchanged."""
         from dapo_megatron.actor.weight_sync import iter_piece_buckets
         from dapo_megatron.orchestration.handles import SharedBucketBuffer
 
+        key = (bucket_bytes, tuple(p.untyped_storage().data_ptr() for p in self.actor.gpt.parameters()))
+        if self._piece_handles is not None and self._piece_handles[0] == key:
+            _, handles, sent = self._piece_handles
+            refs = [engine.load_weight_bucket_handle.remote(h, False) for h in handles for engine in engines]
+            ray.get(refs)
+            return sent
         if not self._buffers:
             self._buffers = [SharedBucketBuffer(self.actor.device) for _ in range(2)]
-        pending: list = []
-        num_bytes = num_tensors = num_buckets = 0
-        for index, bucket in enumerate(iter_piece_buckets(self.actor, bucket_bytes)):
-            # Pieces of the (shared) parameters travel as references: packing copies nothing,
-            # unless a piece is not contiguous shared memory, which is then staged.
-            handle = self._buffers[index % 2].pack(bucket)
-            ray.get(pending)
-            pending = [engine.load_weight_bucket_handle.remote(handle, False) for engine in engines]
-            num_bytes += bucket.num_bytes
-            num_tensors += len(bucket.tensors)
-            num_buckets += 1
-        ray.get(pending)
-        return {"num_bytes": num_bytes, "num_tensors": num_tensors, "num_buckets": num_buckets}
+        handles: list = []
+        references_only = True
+
+        def buckets():
+            nonlocal references_only
+            for bucket in iter_piece_buckets(self.actor, bucket_bytes):
+                references_only &= all(t.is_shared() and t.is_contiguous() for _, t in bucket.tensors)
+                yield bucket
+
+        sent = dict(
+            zip(
+                ("num_bytes", "num_tensors", "num_buckets"),
+                _stream_by_handle(buckets(), self._buffers, engines, handles.append),
+            )
+        )
+        # A staged piece's bytes change every sync: only handles of references are reused.
+        self._piece_handles = (key, handles, sent) if references_only and self.info.is_cpu else None
+        return sent
 
     def _host_update_group(self, engines: list, engine_ranks: int):
         """Rank 0 of a new weight-update group; every engine joins with its offset."""
@@ -308,6 +336,7 @@ class ActorRank:
         for buffer in self._buffers:
             buffer.close()
         self._buffers = []
+        self._piece_handles = None
         self.actor = None
         gc.collect()
         if self.info is not None:

@@ -175,8 +175,12 @@ class BucketReceiver:
     """Buffers kept mapped: the sender's parameter storages and staging buffers are
     reused sync after sync, so this set stays small; the oldest goes beyond it."""
 
+    max_opened = 64
+    """Opened buckets kept (a sync resends the same few handles)."""
+
     def __init__(self) -> None:
         self._mapped: dict[bytes, torch.Tensor] = {}
+        self._opened: dict[BucketHandle, WeightBucket] = {}
 
     def _map(self, handle: bytes) -> torch.Tensor:
         flat = self._mapped.get(handle)
@@ -187,6 +191,18 @@ class BucketReceiver:
         return flat
 
     def open(self, bucket: BucketHandle) -> WeightBucket:
+        """The bucket's tensors as views of the mapped buffers. A handle sent again (the
+        sender resends its parameters' handles sync after sync) gets the same views
+        without rebuilding them: views read the memory, whatever it now holds."""
+        cached = self._opened.get(bucket)
+        if cached is not None:
+            return cached
+        if len(self._opened) >= self.max_opened:
+            self._opened.pop(next(iter(self._opened)))
+        self._opened[bucket] = opened = self._views(bucket)
+        return opened
+
+    def _views(self, bucket: BucketHandle) -> WeightBucket:
         flats = [self._map(handle) for handle in bucket.buffers]
         tensors = []
         for name, shape, dtype, index, offset in bucket.layout:
@@ -197,6 +213,7 @@ class BucketReceiver:
     def close(self) -> None:
         """Drop every mapping."""
         self._mapped = {}
+        self._opened = {}
 
 
 def _aligned(num_bytes: int, alignment: int = 64) -> int:

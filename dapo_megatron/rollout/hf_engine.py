@@ -107,6 +107,7 @@ class HFRolloutEngine(RolloutEngine):
         self._params = dict(model.named_parameters())
         self._spare: dict[str, torch.Tensor] = {}
         self._session: Optional[dict] = None
+        self._last_copy_seconds: Optional[float] = None  # of the last sync: its copies alone
         self._update_group = None  # the weight-update group, once joined (separate engines)
         threads = torch.get_num_threads()
         self._copy_pool = ThreadPoolExecutor(threads) if self.device.type == "cpu" and threads > 1 else None
@@ -198,7 +199,14 @@ class HFRolloutEngine(RolloutEngine):
 
     def begin_weight_update(self) -> None:
         # staged: name -> the spare buffer being filled; filled: name -> elements written.
-        self._session = {"start": time.perf_counter(), "staged": {}, "filled": {}, "bytes": 0, "buckets": 0}
+        self._session = {
+            "start": time.perf_counter(),
+            "staged": {},
+            "filled": {},
+            "bytes": 0,
+            "buckets": 0,
+            "copy_seconds": 0.0,
+        }
 
     def load_weight_bucket(self, bucket: WeightBucket, last: bool) -> None:
         """Check a bucket of whole tensors or of pieces (one rank's shards, at their offsets)
@@ -219,7 +227,9 @@ class HFRolloutEngine(RolloutEngine):
                 copies.append((target, tensor))
                 staged[name] = spare
                 filled[name] = filled.get(name, 0) + tensor.numel()
+            copy_start = time.perf_counter()
             parallel_copy(copies, self._copy_pool)
+            session["copy_seconds"] += time.perf_counter() - copy_start
             session["bytes"] += bucket.num_bytes
         except WeightSyncError:
             self._session = None
@@ -252,6 +262,7 @@ class HFRolloutEngine(RolloutEngine):
                 self._spare[name] = self._params[name].data
                 self._params[name].data = tensor
         self.weight_version += 1
+        self._last_copy_seconds = session["copy_seconds"]
         self.last_sync = SyncStats(
             time.perf_counter() - session["start"], session["bytes"], len(staged), session["buckets"]
         )
@@ -351,4 +362,5 @@ class HFRolloutEngine(RolloutEngine):
             "released": self.released,
             "weight_version": self.weight_version,
             "last_sync_seconds": self.last_sync.seconds if self.last_sync else None,
+            "last_sync_copy_seconds": self._last_copy_seconds,
         }
