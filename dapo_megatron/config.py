@@ -196,6 +196,20 @@ class AlgorithmConfig:
     """Add a KL penalty to a reference model (DAPO uses none)."""
     kl_loss_coef: float = 0.0
     """Coefficient of the KL penalty when ``use_kl_loss`` is on."""
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    """Correction of the training-inference mismatch, with ``r = exp(old - rollout)`` (the
+    actor's old log-prob minus the engine's sampling log-prob): ``tis`` weighs each token's
+    loss by ``min(r, C)``; ``mis`` keeps only tokens with ``r`` in ``[1/C, C]``; ``none``."""
+    rollout_correction_level: Literal["token", "sequence"] = "token"
+    """``token``: each token's own ratio; ``sequence``: the product over the response,
+    applied to all its tokens."""
+    rollout_correction_cap: float = 2.0
+    """``C`` of ``rollout_correction`` and of the ``rollout_mismatch/ratio_outside_cap_share``
+    metric (> 1)."""
+    use_rollout_log_probs: bool = False
+    """Take the engine's sampling log-probs as the old policy and skip the actor's old
+    log-prob pass (faster; the PPO ratio then includes the mismatch, and the mismatch
+    metrics are not computed)."""
 
 
 @dataclass
@@ -824,6 +838,17 @@ def _validate_algorithm(config: Config, fail) -> None:
         )
     if a.reward_timeout_s <= 0:
         fail(("algorithm.reward_timeout_s",), f"algorithm.reward_timeout_s={a.reward_timeout_s} must be > 0")
+    if not a.rollout_correction_cap > 1:
+        fail(
+            ("algorithm.rollout_correction_cap",),
+            f"algorithm.rollout_correction_cap={a.rollout_correction_cap} must be > 1 (ratios in [1/C, C] are kept)",
+        )
+    if a.use_rollout_log_probs and a.rollout_correction != "none":
+        fail(
+            ("algorithm.use_rollout_log_probs", "algorithm.rollout_correction"),
+            f"algorithm.rollout_correction={a.rollout_correction} weighs by exp(old - rollout), which is 1 when "
+            "algorithm.use_rollout_log_probs=true makes the rollout's log-probs the old ones; set one of them off",
+        )
     if a.use_kl_loss and a.kl_loss_coef <= 0:
         fail(
             ("algorithm.kl_loss_coef",),

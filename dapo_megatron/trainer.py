@@ -32,6 +32,7 @@ from dapo_megatron.actor.checkpoint import checkpoint_dir
 from dapo_megatron.algo import DynamicSamplingAccumulator
 from dapo_megatron.algo.metrics import rollout_consistency
 from dapo_megatron.algo.rewards.pool import RewardPool
+from dapo_megatron.algo.rollout_correction import correction_weights, mismatch_metrics
 from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir, hf_weights_folder
 from dapo_megatron.data import PromptDataset, PromptLoader, load_tokenizer, validation_dataset
 from dapo_megatron.experience import (
@@ -332,10 +333,30 @@ def dapo_step(system: System, loader: PromptLoader, sampling: SamplingParams, to
 
     # 5. Advantages by prompt identity; old log-probs; DAPO updates.
     batch = build_policy_batch(samples, a)
+    rollout_log_probs = engine_log_prob_grid(samples, batch)  # [batch, seq]
     if r.colocate:
         engines.release_memory()
-    with _timed(times, "old_log_prob"):
-        batch.old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature)
+    entropy, correction_metrics = None, {}
+    if a.use_rollout_log_probs:
+        batch.old_log_probs = rollout_log_probs  # the sampling policy is the old one
+    else:
+        with _timed(times, "old_log_prob"):
+            batch.old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature)
+        mask = batch.response_mask()
+        correction_metrics = {
+            f"rollout_mismatch/{k}": v
+            for k, v in mismatch_metrics(batch.old_log_probs, rollout_log_probs, mask, a.rollout_correction_cap).items()
+        }
+        if a.rollout_correction != "none":
+            batch.token_weights, applied = correction_weights(
+                batch.old_log_probs,
+                rollout_log_probs,
+                mask,
+                a.rollout_correction,
+                a.rollout_correction_level,
+                a.rollout_correction_cap,
+            )
+            correction_metrics.update({f"rollout_correction/{k}": v for k, v in applied.items()})
     with _timed(times, "train"):
         updates = actor.train(batch, d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size, r.temperature)
 
@@ -344,7 +365,11 @@ def dapo_step(system: System, loader: PromptLoader, sampling: SamplingParams, to
         engines.resume_memory()
     with _timed(times, "sync"):
         sync = system.sync_engines()
-    metrics = {**rollout_metrics, **_step_metrics(samples, batch, entropy, updates, sync, times)}
+    metrics = {
+        **rollout_metrics,
+        **_step_metrics(samples, batch, rollout_log_probs, entropy, updates, sync, times),
+        **correction_metrics,
+    }
     metrics["time/step"] = time.perf_counter() - start
     metrics["time/outside_phases"] = metrics["time/step"] - sum(times.values())
     return metrics
@@ -436,25 +461,29 @@ def generate_and_score(
 def _step_metrics(
     samples: list[Sample],
     batch: PolicyBatch,
-    entropy: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    entropy: Optional[torch.Tensor],
     updates: list[dict[str, float]],
     sync: SyncStats,
     times: dict[str, float],
 ) -> dict[str, float]:
-    """The actor's, the train/rollout gap's and the phases' metrics of one step."""
+    """The actor's, the train/rollout gap's and the phases' metrics of one step (the
+    actor's old-policy figures only when it computed them: ``entropy`` given)."""
     mask = batch.response_mask()  # [batch, seq]
     tokens = float(batch.seq_lengths.sum())
-    gap = rollout_consistency(batch.old_log_probs, engine_log_prob_grid(samples, batch), mask)
-    return {
+    metrics = {
         **_update_metrics(updates),
-        **{f"rollout/{k}": v for k, v in gap.items()},
-        "actor/old_entropy": float((entropy * mask).sum() / mask.sum().clamp(min=1)),
-        "actor/gen_prob_mean": float((batch.old_log_probs.exp() * mask).sum() / mask.sum().clamp(min=1)),
         "sync/gb_per_s": sync.num_bytes / max(sync.seconds, 1e-9) / 1e9,
         **{f"time/{k}": v for k, v in times.items()},
         "throughput/train_tokens_per_s": tokens / max(times["train"], 1e-9),
-        "throughput/old_log_prob_tokens_per_s": tokens / max(times["old_log_prob"], 1e-9),
     }
+    if entropy is not None:
+        gap = rollout_consistency(batch.old_log_probs, rollout_log_probs, mask)
+        metrics.update({f"rollout/{k}": v for k, v in gap.items()})
+        metrics["actor/old_entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+        metrics["actor/gen_prob_mean"] = float((batch.old_log_probs.exp() * mask).sum() / mask.sum().clamp(min=1))
+        metrics["throughput/old_log_prob_tokens_per_s"] = tokens / max(times["old_log_prob"], 1e-9)
+    return metrics
 
 
 def validation_sampling(config: Config, tokenizer) -> SamplingParams:

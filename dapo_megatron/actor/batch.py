@@ -37,6 +37,10 @@ class PolicyBatch:
     loss_mask: Optional[torch.Tensor] = None
     """``[batch, seq]`` tokens that count in the loss; default: all response tokens. Use it
     for overlong filtering (a row of zeros drops a truncated response)."""
+    token_weights: Optional[torch.Tensor] = None
+    """``[batch, seq]`` constant weights of the tokens' losses (the rollout correction's;
+    a 0 removes a token's contribution without changing the token-mean's denominator);
+    default: 1."""
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2:
@@ -48,7 +52,7 @@ class PolicyBatch:
                 raise ValueError(
                     f"{name} must have shape ({batch},) to match tokens {tuple(self.tokens.shape)}, got {tuple(value.shape)}"
                 )
-        for name in ("old_log_probs", "loss_mask"):
+        for name in ("old_log_probs", "loss_mask", "token_weights"):
             value = getattr(self, name)
             if value is not None and value.shape != self.tokens.shape:
                 raise ValueError(

@@ -60,6 +60,7 @@ class _MicroBatch:
     loss_mask: torch.Tensor  # [b, L] float, label grid
     old_log_probs: Optional[torch.Tensor]  # [b, L]
     advantages: Optional[torch.Tensor]  # [b]
+    token_weights: Optional[torch.Tensor] = None  # [b, L] the rollout correction's, or None
 
 
 class MegatronActor:
@@ -173,10 +174,13 @@ class MegatronActor:
             tokens[:, :used] = batch.tokens[index, :used]
             loss_mask = torch.zeros(len(rows), width)
             loss_mask[:, :used] = mask[index, :used]
-            old = None
+            old = weights = None
             if batch.old_log_probs is not None:
                 old = torch.zeros(len(rows), width)
                 old[:, :used] = batch.old_log_probs[index, :used].float()
+            if batch.token_weights is not None:
+                weights = torch.zeros(len(rows), width)
+                weights[:, :used] = batch.token_weights[index, :used].float()
             micro.append(
                 _MicroBatch(
                     rows=index,
@@ -187,6 +191,7 @@ class MegatronActor:
                     advantages=batch.advantages[index].float().to(self.device)
                     if batch.advantages is not None
                     else None,
+                    token_weights=weights.to(self.device) if weights is not None else None,
                 )
             )
         return micro
@@ -374,6 +379,7 @@ class MegatronActor:
                     loss_agg_mode=algo.loss_agg_mode,
                     global_num_tokens=global_num_tokens,
                     global_num_seqs=global_num_seqs,
+                    token_weights=mb.token_weights,
                 )
                 if diverged:
                     loss = loss * float("nan")

@@ -41,6 +41,7 @@ def dapo_policy_loss(
     loss_agg_mode: str = "token-mean",
     global_num_tokens: Optional[int | torch.Tensor] = None,
     global_num_seqs: Optional[int | torch.Tensor] = None,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DAPO clipped policy-gradient loss (to minimise) and its metrics.
 
@@ -61,6 +62,9 @@ def dapo_policy_loss(
             ``response_mask.sum()``. With it, this batch's mask may be empty.
         global_num_seqs: denominator of the ``seq-mean-*`` modes, likewise; default: the
             rows of this batch that have response tokens.
+        token_weights: ``[batch, seq]`` constant weights of the token losses (the rollout
+            correction, :mod:`rollout_correction`); no gradient flows through them and the
+            denominators are unchanged (a weight of 0 drops a token's contribution only).
 
     Returns:
         ``(loss, metrics)``. ``metrics`` holds detached 0-d tensors over this batch's
@@ -114,6 +118,10 @@ def dapo_policy_loss(
         per_token = torch.where(adv < 0, capped, per_token)
     maskf = mask.to(per_token.dtype)
     per_token = per_token * maskf  # [batch, seq]
+    if token_weights is not None:
+        require_same_shape("log_probs", log_probs, token_weights=token_weights)
+        require_finite_where("token_weights", token_weights, mask)
+        per_token = per_token * torch.where(mask, token_weights.detach().to(per_token.dtype), zero)
 
     if loss_agg_mode == "token-mean":
         denominator = num_tokens if global_num_tokens is None else global_num_tokens

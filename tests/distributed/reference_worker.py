@@ -65,7 +65,20 @@ def _hf_named(actor, tensors_of) -> dict[str, torch.Tensor]:
     return exported
 
 
-def dapo_step_with_gradients(workdir: str, tp_size: int, pp_size: int, dp_size: int) -> None:
+def correction_weights_for(batch) -> torch.Tensor:
+    """Rollout-correction weights as the trainer makes them: token-level TIS against a
+    rollout policy 0.3 nats (s.d.) away, capped at 1.3, with a fifth of the tokens masked
+    out (MIS's zeros): values in [0, 1.3], some of them capped."""
+    from dapo_megatron.algo.rollout_correction import correction_weights
+
+    gen = torch.Generator().manual_seed(5)
+    mask = batch.response_mask()
+    rollout = batch.old_log_probs + 0.3 * torch.randn(batch.old_log_probs.shape, generator=gen)
+    weights, _ = correction_weights(batch.old_log_probs, rollout, mask, "tis", "token", 1.3)
+    return weights * (torch.rand(weights.shape, generator=gen) > 0.2).float()
+
+
+def dapo_step_with_gradients(workdir: str, tp_size: int, pp_size: int, dp_size: int, weighted: bool = False) -> None:
     cfg = actor_config(tp_size, pp_size, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
     cfg.parallel.use_distributed_optimizer = True
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
@@ -75,6 +88,8 @@ def dapo_step_with_gradients(workdir: str, tp_size: int, pp_size: int, dp_size: 
             load_hf_model_weights(actor, os.path.join(workdir, f"hf_tied{int(tied)}"))
             batch = reference_batch()
             batch.old_log_probs, _ = actor.compute_log_probs(batch)  # on-policy: the first ratio is 1
+            if weighted:
+                batch.token_weights = correction_weights_for(batch)
             captured: list[dict[str, torch.Tensor]] = []
             weights_after: list[dict[str, torch.Tensor]] = []
             step = actor.optimizer.step

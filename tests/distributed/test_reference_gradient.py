@@ -56,6 +56,8 @@ def _reference_loss(model, batch, rows) -> tuple[torch.Tensor, torch.Tensor, tor
     advantages = batch.advantages[rows].double()[:, None].expand_as(log_probs)
     ratio = torch.exp(log_probs - old)
     per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+    if batch.token_weights is not None:  # the rollout correction: constants; the count below is unchanged
+        per_token = per_token * batch.token_weights[rows][:, 1:].double()
     loss = per_token[mask].sum() / mask.sum()
     return loss, ratio.detach()[mask], mask
 
@@ -68,8 +70,14 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
     return merged
 
 
-@pytest.mark.parametrize(("tp_size", "pp_size", "dp_size"), [(2, 2, 1), (1, 2, 2)])
-def test_dapo_gradients_equal_an_independent_float64_reference(tmp_path, tp_size, pp_size, dp_size):
+@pytest.mark.parametrize(
+    ("tp_size", "pp_size", "dp_size", "weighted"),
+    [(2, 2, 1, False), (1, 2, 2, False), (2, 1, 2, True)],
+    ids=["tp2-pp2", "pp2-dp2", "tp2-dp2-rollout-correction"],
+)
+def test_dapo_gradients_equal_an_independent_float64_reference(tmp_path, tp_size, pp_size, dp_size, weighted):
+    """With ``weighted``, the batch carries rollout-correction weights (TIS values, some
+    capped, and MIS zeros) that the reference multiplies into its token losses."""
     for tied in (False, True):
         model = tiny_hf_qwen2(tied, seed=3 + tied, attn_implementation="eager")
         _randomize_biases(model)
@@ -77,12 +85,15 @@ def test_dapo_gradients_equal_an_independent_float64_reference(tmp_path, tp_size
     launch_local(
         reference_worker.dapo_step_with_gradients,
         tp_size * pp_size * dp_size,
-        (str(tmp_path), tp_size, pp_size, dp_size),
+        (str(tmp_path), tp_size, pp_size, dp_size, weighted),
     )
     for tied in (False, True):
         stages = [torch.load(tmp_path / f"ref_tied{int(tied)}_stage{s}.pt") for s in range(pp_size)]
         batch = torch.load(tmp_path / f"ref_batch_tied{int(tied)}.pt", weights_only=False)
         metrics = stages[-1]["metrics"]
+        if weighted:
+            weights = batch.token_weights[batch.response_mask().bool()]
+            assert (weights == 0).any() and (weights == 1.3).any() and ((weights > 0) & (weights < 1)).any()
         assert len(metrics) == reference_worker.NUM_MINI_BATCHES and all(m["num_micro_batches"] >= 2 for m in metrics)
         # On-policy, the first mini-batch's ratio is exactly 1: old and new log-probs are
         # the same computation on the same weights.

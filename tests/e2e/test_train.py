@@ -47,12 +47,23 @@ STEP_METRICS = [
     "throughput/old_log_prob_tokens_per_s",
     "throughput/reward_responses_per_s",
     "sync/gb_per_s",
+    *[
+        f"rollout_mismatch/{name}"
+        for name in ("kl_k3_mean", "kl_k3_max", "seq_log_ratio_mean", "seq_log_ratio_min", "seq_log_ratio_max")
+    ],
+    "rollout_mismatch/ratio_outside_cap_share",
+    "rollout_correction/weight_mean",
+    "rollout_correction/masked_share",
 ]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("colocate", [True, False], ids=["handles", "broadcast"])
-def test_train_end_to_end(tiny_model, tmp_path, colocate):
+@pytest.mark.parametrize(
+    ("colocate", "correction", "level"),
+    [(True, "tis", "token"), (False, "mis", "sequence")],
+    ids=["handles-tis", "broadcast-mis"],
+)
+def test_train_end_to_end(tiny_model, tmp_path, colocate, correction, level):
     import ray
     from safetensors.torch import load_file
 
@@ -69,7 +80,9 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate):
 
     run_dir = tmp_path / "run"
     # Colocated engines get buckets by shared-memory handle; separate ones by broadcast.
-    config = config_from_dict(run_config(tiny_model, run_dir, **{"rollout.colocate": colocate}), "e2e")
+    raw = run_config(tiny_model, run_dir, **{"rollout.colocate": colocate})
+    raw["algorithm"].update(rollout_correction=correction, rollout_correction_level=level)
+    config = config_from_dict(raw, "e2e")
     result = train(config, inspect=inspect)
 
     # Metrics: every step has every metric, finite, in metrics.jsonl and in TensorBoard.
@@ -85,6 +98,10 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate):
         assert step["dynamic_sampling/batch_groups"] == 4
         assert step["dynamic_sampling/kept"] >= 4 and step["dynamic_sampling/generated"] > step["dynamic_sampling/kept"]
         assert step["dynamic_sampling/rounds"] >= 2
+        # The engine samples in fp32 with transformers, the actor runs megatron in fp32:
+        # close, not equal, policies; every ratio stays well inside the cap of 2.
+        assert 0 <= step["rollout_mismatch/kl_k3_mean"] < 1e-3 and step["rollout_mismatch/ratio_outside_cap_share"] == 0
+        assert step["rollout_correction/masked_share"] == 0 and abs(step["rollout_correction/weight_mean"] - 1) < 1e-2
     assert validations[0]["val/k"] == 2 and validations[0]["val/demo_addition/num_problems"] == 100
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -110,6 +127,22 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate):
     assert not ray.is_initialized() and not (run_dir / "ray").is_symlink()
     assert list((run_dir / "ray").glob("session_*/logs"))  # Ray's logs stay with the run
     assert not [p for pid in seen["rank_pids"] for p in Path("/dev/shm").glob(f"torch_{pid}_*")]
+
+
+@pytest.mark.timeout(600)
+def test_rollout_log_probs_as_the_old_policy_skip_the_actors_pass(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    raw = run_config(tiny_model, run_dir, **{"trainer.num_steps": 1, "trainer.val_every": 0})
+    raw["algorithm"]["use_rollout_log_probs"] = True
+    raw["checkpoint"]["save_every"] = 0
+    raw["trainer"]["val_before_train"] = False
+    train(config_from_dict(raw, "e2e"))
+    (step,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "time/old_log_prob" not in step and not [k for k in step if k.startswith("rollout_mismatch/")]
+    assert all(math.isfinite(v) for v in step.values() if isinstance(v, float))
+    # The first update's ratio is current / rollout: the engine's kernels, not the actor's,
+    # so not exactly 1 as it is when the actor computes the old log-probs itself.
+    assert step["actor/first_update_ratio_max"] != 1.0 and abs(step["actor/first_update_ratio_max"] - 1) < 1e-3
 
 
 @pytest.mark.timeout(600)

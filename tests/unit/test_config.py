@@ -375,3 +375,16 @@ def test_console_script_help_and_exit_status(tmp_path):
         [sys.executable, "-m", "dapo_megatron", "config", str(tmp_path / "nope.yaml")], capture_output=True, text=True
     )
     assert missing.returncode == 2 and "nope.yaml: cannot read config file" in missing.stderr
+
+
+def test_rollout_correction_settings_are_checked(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tiny(algorithm={"rollout_correction": "tis", "rollout_correction_cap": 1.0})))
+    assert "algorithm.rollout_correction_cap=1.0 must be > 1" in error_of(path)
+    assert "expected 'none' | 'tis' | 'mis'" in error_of(
+        path, ["algorithm.rollout_correction=is", "algorithm.rollout_correction_cap=2"]
+    )
+    message = error_of(path, ["algorithm.rollout_correction_cap=2", "algorithm.use_rollout_log_probs=true"])
+    assert "algorithm.rollout_correction=tis weighs by exp(old - rollout), which is 1" in message
+    config = load_config(path, ["algorithm.rollout_correction_cap=2", "algorithm.rollout_correction_level=sequence"])
+    assert (config.algorithm.rollout_correction, config.algorithm.rollout_correction_level) == ("tis", "sequence")
