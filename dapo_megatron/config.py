@@ -196,10 +196,12 @@ class AlgorithmConfig:
     """Add a KL penalty to a reference model (DAPO uses none)."""
     kl_loss_coef: float = 0.0
     """Coefficient of the KL penalty when ``use_kl_loss`` is on."""
-    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction: Literal["auto", "none", "tis", "mis"] = "auto"
     """Correction of the training-inference mismatch, with ``r = exp(old - rollout)`` (the
     actor's old log-prob minus the engine's sampling log-prob): ``tis`` weighs each token's
-    loss by ``min(r, C)``; ``mis`` keeps only tokens with ``r`` in ``[1/C, C]``; ``none``."""
+    loss by ``min(r, C)``; ``mis`` keeps only tokens with ``r`` in ``[1/C, C]``; ``none``;
+    ``auto``: ``tis`` with ``trainer.async_generation`` (unless ``use_rollout_log_probs``),
+    else ``none``."""
     rollout_correction_level: Literal["token", "sequence"] = "token"
     """``token``: each token's own ratio; ``sequence``: the product over the response,
     applied to all its tokens."""
@@ -275,6 +277,13 @@ class TrainerConfig:
     val_before_train: bool = True
     """Validate the initial policy (logged as step 0) before the first step, and again
     after the last step, when ``data.val_files`` are set."""
+    async_generation: bool = False
+    """One-step-off-policy training: while the actor trains on step k's batch, the
+    engines already generate step k+1's with the weights from before step k's update
+    (every batch at most one update stale; the rollout correction defaults to TIS). Needs
+    engines apart from the actor: their own GPUs (``rollout.colocate=false``), or on the
+    CPU their own cores (ranks and engines are pinned to separate cores when the machine
+    has enough)."""
     output_dir: str = "runs/dapo"
     """Run folder: the resolved config, logs and (by default) checkpoints go here."""
     max_bad_steps_in_a_row: int = 3
@@ -330,6 +339,10 @@ class RayConfig:
     engine_num_threads: int = 0
     """Threads of each CPU rollout engine's torch ops; 0 = the machine's cores divided
     among the engines."""
+    separate_cores: Optional[bool] = None
+    """CPU runtime on one machine: pin each actor rank to a core of its own and the
+    engines to the remaining cores (unset: on with ``trainer.async_generation``, where
+    engines generate while the ranks train)."""
 
 
 @dataclass
@@ -838,12 +851,18 @@ def _validate_algorithm(config: Config, fail) -> None:
         )
     if a.reward_timeout_s <= 0:
         fail(("algorithm.reward_timeout_s",), f"algorithm.reward_timeout_s={a.reward_timeout_s} must be > 0")
+    if config.trainer.async_generation and r.colocate and config.parallel.device == "cuda":
+        fail(
+            ("trainer.async_generation", "rollout.colocate", "parallel.device"),
+            "trainer.async_generation=true generates while the actor trains, which needs engines on GPUs of their "
+            "own: set rollout.colocate=false (on the CPU runtime, engines get cores of their own)",
+        )
     if not a.rollout_correction_cap > 1:
         fail(
             ("algorithm.rollout_correction_cap",),
             f"algorithm.rollout_correction_cap={a.rollout_correction_cap} must be > 1 (ratios in [1/C, C] are kept)",
         )
-    if a.use_rollout_log_probs and a.rollout_correction != "none":
+    if a.use_rollout_log_probs and a.rollout_correction not in ("none", "auto"):
         fail(
             ("algorithm.use_rollout_log_probs", "algorithm.rollout_correction"),
             f"algorithm.rollout_correction={a.rollout_correction} weighs by exp(old - rollout), which is 1 when "
@@ -854,6 +873,14 @@ def _validate_algorithm(config: Config, fail) -> None:
             ("algorithm.kl_loss_coef",),
             f"algorithm.kl_loss_coef={a.kl_loss_coef} must be > 0 when algorithm.use_kl_loss=true",
         )
+
+
+def rollout_correction_of(config: Config) -> str:
+    """The correction in effect: ``algorithm.rollout_correction`` with ``auto`` resolved."""
+    a = config.algorithm
+    if a.rollout_correction != "auto":
+        return a.rollout_correction
+    return "tis" if config.trainer.async_generation and not a.use_rollout_log_probs else "none"
 
 
 def _validate_batches(config: Config, fail) -> None:

@@ -9,6 +9,7 @@ identity*, never by position. No Ray, no ranks: it is tested on its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
@@ -51,6 +52,9 @@ class Sample:
     """The reward function raised."""
     prediction: Optional[str] = None
     """The answer the reward function read from the response, when it reports one."""
+    policy_version: int = 0
+    """The actor step whose weights the engine sampled with (0: the initial weights);
+    the trainer refuses to train on a sample more than one step behind the actor."""
 
     @property
     def reward(self) -> float:
@@ -191,3 +195,23 @@ def validation_metrics(samples: list[Sample], num_samples: int) -> dict[str, flo
     lengths = [len(s.response_ids) for s in samples] or [0]
     metrics["val/response_length_mean"] = sum(lengths) / len(lengths)
     return metrics
+
+
+def samples_to_json(samples: list[Sample]) -> list[dict]:
+    """Samples as plain JSON values (a batch generated ahead, kept in a checkpoint)."""
+    rows = []
+    for sample in samples:
+        row = dataclasses.asdict(sample)
+        row["prompt"]["token_ids"] = list(sample.prompt.token_ids)
+        row["group_id"] = list(sample.group_id)
+        rows.append(row)
+    return rows
+
+
+def samples_from_json(rows: list[dict]) -> list[Sample]:
+    """The inverse of :func:`samples_to_json`."""
+    samples = []
+    for row in rows:
+        prompt = Prompt(**{**row["prompt"], "token_ids": tuple(row["prompt"]["token_ids"])})
+        samples.append(Sample(**{**row, "prompt": prompt, "group_id": tuple(row["group_id"])}))
+    return samples

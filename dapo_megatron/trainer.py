@@ -17,44 +17,28 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
-
-from dapo_megatron.actor.batch import PolicyBatch
 from dapo_megatron.actor.checkpoint import checkpoint_dir
-from dapo_megatron.algo import DynamicSamplingAccumulator
-from dapo_megatron.algo.metrics import rollout_consistency
 from dapo_megatron.algo.rewards.pool import RewardPool
-from dapo_megatron.algo.rollout_correction import correction_weights, mismatch_metrics
 from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir, hf_weights_folder
 from dapo_megatron.data import PromptDataset, PromptLoader, load_tokenizer, validation_dataset
 from dapo_megatron.experience import (
     Sample,
-    apply_rewards,
-    build_policy_batch,
-    engine_log_prob_grid,
-    response_metrics,
-    samples_from_generations,
     validation_metrics,
 )
 from dapo_megatron.orchestration.actor_group import ActorGroup
-from dapo_megatron.orchestration.cluster import RayCluster
-from dapo_megatron.orchestration.rollout import RolloutWorkers, engine_seed
-from dapo_megatron.rollout.engine import SamplingParams, SyncStats
+from dapo_megatron.orchestration.rollout import RolloutWorkers
+from dapo_megatron.rollout.engine import SamplingParams
+from dapo_megatron.step import Stepper, generate_and_score, start_system, training_sampling
 from dapo_megatron.tracking import MetricsLogger
 
 logger = logging.getLogger(__name__)
-
-
-PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
-"""What SLURM sends before it preempts or ends a job (``--signal`` chooses USR1 and when)."""
 
 
 class Preempted(Exception):
@@ -63,40 +47,6 @@ class Preempted(Exception):
     def __init__(self, signal_name: str, step: int, checkpoint: str) -> None:
         super().__init__(f"stopped by {signal_name} after step {step}; checkpoint {checkpoint}; continue with --resume")
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
-
-
-class _StopRequest:
-    """Catches the preemption signals while a run is live: the first is remembered (the
-    step in progress finishes, then the run saves and stops); later ones are only logged,
-    so a second signal cannot interrupt the save."""
-
-    def __init__(self) -> None:
-        self.signal_name: Optional[str] = None
-
-    def __call__(self, signum, frame) -> None:
-        import signal
-
-        name = signal.Signals(signum).name
-        if self.signal_name is None:
-            self.signal_name = name
-            logger.warning("received %s: finishing this step, then saving a checkpoint and stopping", name)
-        else:
-            logger.warning("received %s again: already stopping; the checkpoint being written is kept", name)
-
-    @contextmanager
-    def installed(self) -> Iterator[_StopRequest]:
-        import signal
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            yield self  # signals reach only the main thread; nothing to install
-            return
-        previous = {name: signal.signal(getattr(signal, name), self) for name in PREEMPTION_SIGNALS}
-        try:
-            yield self
-        finally:
-            for name, handler in previous.items():
-                signal.signal(getattr(signal, name), handler)
 
 
 class TrainingDiverged(RuntimeError):
@@ -228,21 +178,27 @@ def train(
 
         def save(step: int) -> str:
             """The actor's checkpoint of ``step``, with the trainer's state inside it."""
-            state = _trainer_state(step, loader, config, len(train_data.prompts))
+            state = _trainer_state(step, loader, config, len(train_data.prompts), stepper.state_dict())
             return actor.save(save_dir, config.checkpoint.keep_last, {TRAINER_STATE: state})
 
         val_after = val_before
         bad_steps = BadStepCounter(config.trainer.max_bad_steps_in_a_row)
+        stepper = Stepper(system, loader, sampling, tokenizer, version=start_step)
+        stack.callback(stepper.close)
+        if resume_from is not None:
+            stepper.load_state_dict(resume_from[1].get("generated_ahead", {}))
         for step in range(start_step + 1, config.trainer.num_steps + 1):
-            # 1-6. Generate, score and filter; log-probs and updates; weight sync.
-            step_metrics = dapo_step(system, loader, sampling, tokenizer, step)
+            due = config.checkpoint.save_every and (
+                step % config.checkpoint.save_every == 0 or step == config.trainer.num_steps
+            )
+            # 1-6. Generate, score and filter; log-probs and updates; weight sync. A
+            # batch generated ahead is part of a checkpoint's state: generate the next one
+            # also at the last step when it saves, so that a continued run is the same.
+            step_metrics = stepper.step(step, generate_ahead=step < config.trainer.num_steps or bool(due))
 
             # 7. Metrics, checkpoint, validation.
             metrics_log.log(step, step_metrics)
             bad_steps.record(step, step_metrics, last_checkpoint)
-            due = config.checkpoint.save_every and (
-                step % config.checkpoint.save_every == 0 or step == config.trainer.num_steps
-            )
             if due or stop.signal_name is not None:
                 last_checkpoint = save(step)
             if stop.signal_name is not None:
@@ -273,217 +229,6 @@ def load_run_data(config: Config) -> tuple:
     train_data = PromptDataset(d.train_files, tokenizer, d, r.max_prompt_length)
     val_data = validation_dataset(d.val_files, tokenizer, d, r.max_prompt_length) if d.val_files else None
     return tokenizer, train_data, val_data, PromptLoader(train_data, seed=d.seed, shuffle=d.shuffle)
-
-
-@dataclass
-class System:
-    """The running parts of a run, started by :func:`start_system`: the actor's ranks, the
-    rollout engines, the reward pool and the preemption-signal catcher."""
-
-    config: Config
-    actor: ActorGroup
-    engines: RolloutWorkers
-    rewards: RewardPool
-    stop: _StopRequest
-
-    def sync_engines(self) -> SyncStats:
-        """The actor's current weights into every engine."""
-        r = self.config.rollout
-        return self.actor.sync_weights(
-            self.engines.handles, r.weight_sync_bucket_mb * 2**20, self.engines.num_update_ranks
-        )
-
-
-def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
-    """Start Ray (logs under ``run_dir``), the reward pool, the actor and the engines;
-    ``stack`` stops each of them when it closes. ``train`` and ``bench`` run the same one."""
-    r = config.rollout
-    cpus = max(os.cpu_count() or 1, config.parallel.world_size + r.num_engines + 1)
-    stack.enter_context(RayCluster(config.ray, run_dir, config.ray.num_cpus or cpus))
-    # After ray.init, which installs its own SIGTERM handler (it would end the process).
-    stop = stack.enter_context(_StopRequest().installed())
-    rewards = RewardPool(config.algorithm.reward_fn, config.algorithm.reward_timeout_s, min(os.cpu_count() or 1, 8))
-    stack.callback(rewards.close)
-    actor = ActorGroup(config)
-    stack.callback(actor.shutdown)
-    engines = RolloutWorkers(config)
-    stack.callback(engines.shutdown)
-    return System(config, actor, engines, rewards, stop)
-
-
-def training_sampling(config: Config, tokenizer) -> SamplingParams:
-    """``rollout.*``: the sampling of training rollouts (stopping at the tokenizer's EOS)."""
-    r = config.rollout
-    return SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, (tokenizer.eos_token_id,))
-
-
-def dapo_step(system: System, loader: PromptLoader, sampling: SamplingParams, tokenizer, step: int) -> dict[str, float]:
-    """Steps 1-6 of DAPO (see the module docstring); the step's metrics, with each
-    phase's seconds (``time/<phase>``), the whole call's (``time/step``, metrics
-    included) and the part of it in no phase (``time/outside_phases``)."""
-    config, actor, engines = system.config, system.actor, system.engines
-    r, a, d = config.rollout, config.algorithm, config.data
-    start = time.perf_counter()
-    times: dict[str, float] = {}
-
-    # 1-4. Prompts, responses, rewards, dynamic sampling: the step's groups.
-    samples, rollout_metrics = _collect_groups(
-        engines, system.rewards, loader, sampling, config, tokenizer, step, times
-    )
-
-    # 5. Advantages by prompt identity; old log-probs; DAPO updates.
-    batch = build_policy_batch(samples, a)
-    rollout_log_probs = engine_log_prob_grid(samples, batch)  # [batch, seq]
-    if r.colocate:
-        engines.release_memory()
-    entropy, correction_metrics = None, {}
-    if a.use_rollout_log_probs:
-        batch.old_log_probs = rollout_log_probs  # the sampling policy is the old one
-    else:
-        with _timed(times, "old_log_prob"):
-            batch.old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature)
-        mask = batch.response_mask()
-        correction_metrics = {
-            f"rollout_mismatch/{k}": v
-            for k, v in mismatch_metrics(batch.old_log_probs, rollout_log_probs, mask, a.rollout_correction_cap).items()
-        }
-        if a.rollout_correction != "none":
-            batch.token_weights, applied = correction_weights(
-                batch.old_log_probs,
-                rollout_log_probs,
-                mask,
-                a.rollout_correction,
-                a.rollout_correction_level,
-                a.rollout_correction_cap,
-            )
-            correction_metrics.update({f"rollout_correction/{k}": v for k, v in applied.items()})
-    with _timed(times, "train"):
-        updates = actor.train(batch, d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size, r.temperature)
-
-    # 6. Weight sync into every engine.
-    if r.colocate:
-        engines.resume_memory()
-    with _timed(times, "sync"):
-        sync = system.sync_engines()
-    metrics = {
-        **rollout_metrics,
-        **_step_metrics(samples, batch, rollout_log_probs, entropy, updates, sync, times),
-        **correction_metrics,
-    }
-    metrics["time/step"] = time.perf_counter() - start
-    metrics["time/outside_phases"] = metrics["time/step"] - sum(times.values())
-    return metrics
-
-
-@contextmanager
-def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
-    """Add the block's wall time to ``times[phase]``."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
-
-
-def _collect_groups(
-    engines: RolloutWorkers,
-    rewards: RewardPool,
-    loader: PromptLoader,
-    sampling: SamplingParams,
-    config: Config,
-    tokenizer,
-    step: int,
-    times: dict[str, float],
-) -> tuple[list[Sample], dict[str, float]]:
-    """Rounds of generation and scoring until dynamic sampling holds ``train_batch_size``
-    groups (or fails after ``max_num_gen_batches`` rounds, naming the knobs). Returns the
-    kept samples (groups consecutive) and the rollout's metrics."""
-    r, a, d = config.rollout, config.algorithm, config.data
-    accumulator = DynamicSamplingAccumulator(
-        d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
-    )
-    generated_tokens = all_equal = groups = timeouts = errors = 0
-    round_index = 0
-    while not accumulator.is_full:
-        prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
-        params = replace(sampling, seed=engine_seed(r.seed, step, round_index))
-        samples = generate_and_score(
-            engines, rewards, prompts, params, r.n_samples_per_prompt, round_index, config, tokenizer, times
-        )
-        generated_tokens += sum(len(s.response_ids) for s in samples)
-        timeouts += sum(s.timed_out for s in samples)
-        errors += sum(s.reward_error for s in samples)
-        outcomes: dict = {}
-        for sample in samples:
-            outcomes.setdefault(sample.group_id, set()).add(sample.correct)
-        groups += len(outcomes)
-        all_equal += sum(len(o) == 1 for o in outcomes.values())
-        round_index += 1
-        accumulator.add(samples, [float(s.correct) for s in samples])
-    kept, _, sampling_metrics = accumulator.take()
-    metrics = {
-        **response_metrics(kept, r.max_response_length),
-        # Every reward call of the step counts, also those whose groups were dropped.
-        "reward/timeouts": float(timeouts),
-        "reward/errors": float(errors),
-        **{f"dynamic_sampling/{k}": v for k, v in sampling_metrics.items()},
-        "dynamic_sampling/batch_groups": len(kept) / r.n_samples_per_prompt,
-        "dynamic_sampling/all_equal_share": all_equal / max(groups, 1),
-        "throughput/generate_tokens_per_s": generated_tokens / max(times["generate"], 1e-9),
-        "throughput/reward_responses_per_s": groups * r.n_samples_per_prompt / max(times["reward"], 1e-9),
-        "data/epoch": float(loader.epoch),
-    }
-    return kept, metrics
-
-
-def generate_and_score(
-    engines: RolloutWorkers,
-    rewards: RewardPool,
-    prompts: list,
-    params: SamplingParams,
-    n: int,
-    round_index: int,
-    config: Config,
-    tokenizer,
-    times: dict[str, float],
-) -> list[Sample]:
-    """``n`` responses per prompt, scored with the overlong punishment; the seconds of
-    both go to ``times['generate']`` and ``times['reward']``."""
-    with _timed(times, "generate"):
-        generations = engines.generate([list(p.token_ids) for p in prompts], params, n)
-    samples = samples_from_generations(prompts, generations, round_index, tokenizer)
-    with _timed(times, "reward"):
-        results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
-        apply_rewards(samples, results, config.algorithm, config.rollout.max_response_length)
-    return samples
-
-
-def _step_metrics(
-    samples: list[Sample],
-    batch: PolicyBatch,
-    rollout_log_probs: torch.Tensor,
-    entropy: Optional[torch.Tensor],
-    updates: list[dict[str, float]],
-    sync: SyncStats,
-    times: dict[str, float],
-) -> dict[str, float]:
-    """The actor's, the train/rollout gap's and the phases' metrics of one step (the
-    actor's old-policy figures only when it computed them: ``entropy`` given)."""
-    mask = batch.response_mask()  # [batch, seq]
-    tokens = float(batch.seq_lengths.sum())
-    metrics = {
-        **_update_metrics(updates),
-        "sync/gb_per_s": sync.num_bytes / max(sync.seconds, 1e-9) / 1e9,
-        **{f"time/{k}": v for k, v in times.items()},
-        "throughput/train_tokens_per_s": tokens / max(times["train"], 1e-9),
-    }
-    if entropy is not None:
-        gap = rollout_consistency(batch.old_log_probs, rollout_log_probs, mask)
-        metrics.update({f"rollout/{k}": v for k, v in gap.items()})
-        metrics["actor/old_entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
-        metrics["actor/gen_prob_mean"] = float((batch.old_log_probs.exp() * mask).sum() / mask.sum().clamp(min=1))
-        metrics["throughput/old_log_prob_tokens_per_s"] = tokens / max(times["old_log_prob"], 1e-9)
-    return metrics
 
 
 def validation_sampling(config: Config, tokenizer) -> SamplingParams:
@@ -533,38 +278,6 @@ def load_initial_weights(actor: ActorGroup, config: Config) -> None:
     logger.warning("no checkpoint.load_dir and no safetensors next to model.hf_config: training from random weights")
 
 
-def _update_metrics(all_updates: list[dict[str, float]]) -> dict[str, float]:
-    """The step's DAPO updates as one set of metrics: token-weighted means, the largest
-    ratio, the last learning rate. Mini-batches without loss tokens (all rows filtered)
-    made no update and are only counted."""
-    updates = [u for u in all_updates if not u.get("empty")] or all_updates
-    tokens = sum(u["tokens"] for u in updates) or 1.0
-
-    def mean(key: str) -> float:
-        return sum(u[key] * u["tokens"] for u in updates) / tokens
-
-    return {
-        "actor/loss": sum(u["loss"] for u in updates) / len(updates),
-        "actor/entropy": mean("entropy"),
-        "actor/mean_prob": mean("mean_prob"),
-        "actor/pg_clipfrac_low": mean("pg_clipfrac_low"),
-        "actor/pg_clipfrac_high": mean("pg_clipfrac_high"),
-        "actor/pg_clipfrac_dual": mean("pg_clipfrac_dual"),
-        "actor/approx_kl": mean("approx_kl"),
-        "actor/ratio_mean": mean("ratio_mean"),
-        "actor/ratio_max": max(u["ratio_max"] for u in updates),
-        "actor/log_ratio_clamped": mean("log_ratio_clamped"),
-        "actor/empty_mini_batches": float(sum(u.get("empty", 0.0) for u in all_updates)),
-        "actor/first_update_ratio_max": updates[0]["ratio_max"],
-        "actor/grad_norm": sum(u["grad_norm"] for u in updates) / len(updates),
-        "actor/lr": updates[-1]["lr"],
-        "actor/num_updates": float(len(updates)),
-        "actor/updates_skipped": sum(u["update_skipped"] for u in updates),
-        "actor/nonfinite_updates": sum(u.get("nonfinite", 0.0) for u in updates),
-        "actor/tokens": float(tokens),
-    }
-
-
 def export_hf(checkpoint: str | Path, config: Config, out: Path) -> None:
     """A Megatron checkpoint as HF safetensors, verified as ``convert`` verifies, with
     config.json from ``model.hf_config`` and the tokenizer files copied (the final policy
@@ -586,11 +299,12 @@ TRAINER_STATE = "trainer_state.json"
 """The trainer's own state, inside each actor checkpoint (written before it is published)."""
 
 
-def _trainer_state(step: int, loader: PromptLoader, config: Config, num_prompts: int) -> str:
-    """What a resumed run needs besides the actor: the step, the data position and what
-    the rollout seeds derive from. Generation seeds are a function of (rollout.seed, step,
-    round), and dynamic sampling drops its surplus at the end of every step, so no sampler
-    state or leftover samples need saving."""
+def _trainer_state(step: int, loader: PromptLoader, config: Config, num_prompts: int, ahead: dict) -> str:
+    """What a resumed run needs besides the actor: the step, the data position, what the
+    rollout seeds derive from, and (async generation) the next step's batch, generated
+    during this one with weights the checkpoint no longer holds. Generation seeds are a
+    function of (rollout.seed, step, round), and dynamic sampling drops its surplus at the
+    end of every step, so no sampler state or other leftover samples need saving."""
     return json.dumps(
         {
             "step": step,
@@ -598,6 +312,8 @@ def _trainer_state(step: int, loader: PromptLoader, config: Config, num_prompts:
             "num_prompts": num_prompts,
             "rollout_seed": config.rollout.seed,
             "metrics_step": step,
+            # async_generation: the next step's batch, generated during this step
+            "generated_ahead": ahead,
         },
         indent=1,
     )

@@ -30,7 +30,11 @@ def _row(name: str, record: dict) -> list[str]:
         ratio = f"{record['of_read_ceiling']:.2f} of text read"
     elif name == "step":
         rate = f"{record['generated_tokens_per_s']:,.0f} gen tok/s"
-        ratio = f"{record['overhead_share']:.1%} overhead"
+        ratio = (
+            f"{record['of_ceiling']:.2f} of overlap bound"
+            if record.get("asynchronous")
+            else f"{record['overhead_share']:.1%} overhead"
+        )
     else:
         rate = f"{record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_device']:,.0f}/dev)"
         ratio = f"{record.get('of_matmul_ceiling', 0):.2f} of matmul"

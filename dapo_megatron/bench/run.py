@@ -1,6 +1,6 @@
 """``dapo-megatron bench``: every phase of a DAPO step, measured through the real system.
 
-The benchmark starts what ``train`` starts (:func:`dapo_megatron.trainer.start_system`:
+The benchmark starts what ``train`` starts (:func:`dapo_megatron.step.start_system`:
 Ray, the actor's Megatron ranks, the rollout engines, the reward pool) from the same
 config, and times what a step does, one phase at a time and then whole steps:
 
@@ -11,8 +11,10 @@ config, and times what a step does, one phase at a time and then whole steps:
 - ``sync``: the actor's weights into every engine; GB/s.
 - ``reward``: the ``algorithm.reward_fn`` on a mix of long responses on one core
   (:mod:`workloads`), responses per second.
-- ``step``: whole steps through :func:`dapo_step`, each phase's share of them and the
-  share in no phase (orchestration: Ray calls, batch building, memory release).
+- ``step``: whole steps through the trainer's :class:`~dapo_megatron.step.Stepper`, each
+  phase's share of them and the share in no phase (orchestration: Ray calls, batch
+  building, memory release); with ``trainer.async_generation`` the next batch is generated
+  during training, so phases overlap and only the step time and the wait are reported.
 
 Each phase runs ``warmup`` times unmeasured, then ``steps`` times; the median and the
 spread are reported, with the peak memory of the processes involved. Every figure is
@@ -185,7 +187,7 @@ class _Bench:
 
     def _prompts(self, round_index: int):
         from dapo_megatron.orchestration.rollout import engine_seed
-        from dapo_megatron.trainer import training_sampling
+        from dapo_megatron.step import training_sampling
 
         d, r = self.config.data, self.config.rollout
         prompts = self.loader.next_batch(d.gen_batch_size or d.train_batch_size)
@@ -327,29 +329,41 @@ class _Bench:
         self.result["phases"]["reward"] = record
 
     def step(self) -> None:
-        from dapo_megatron.trainer import dapo_step, training_sampling
+        from dapo_megatron.step import Stepper, training_sampling
 
-        sampling = training_sampling(self.config, self.tokenizer)
+        stepper = Stepper(self.system, self.loader, training_sampling(self.config, self.tokenizer), self.tokenizer)
         steps: list[dict] = []
         counter = iter(range(1, 1_000_000))
         record: dict = {}
         with self._peak_memory(record):
-            self._repeat(
-                lambda: steps.append(dapo_step(self.system, self.loader, sampling, self.tokenizer, next(counter)))
-            )
+            self._repeat(lambda: steps.append(stepper.step(next(counter), generate_ahead=True)))
+        stepper.close()
         measured = steps[self.options.warmup :]
         total = [m["time/step"] for m in measured]
         record["seconds"] = _stats(total)
+        record["asynchronous"] = stepper.asynchronous
         shares = {}
-        for phase in (*STEP_PHASES, "outside_phases"):
+        for phase in (*STEP_PHASES, "wait_for_generation", "outside_phases"):
             values = [m.get(f"time/{phase}", 0.0) for m in measured]
             shares[phase] = {
                 "seconds": statistics.median(values),
                 "share": statistics.median(v / t for v, t in zip(values, total)),
             }
         record["phases"] = shares
-        record["overhead_share"] = shares["outside_phases"]["share"]
-        record["of_ceiling"] = 1.0 - record["overhead_share"]  # the share of the step that is work
+        if stepper.asynchronous:
+            # Generating (and scoring) the next batch overlaps the actor's passes: a step
+            # can take no less than the longer of the two, plus the sync after both.
+            bounds = [
+                max(m["time/generate"] + m["time/reward"], m.get("time/old_log_prob", 0.0) + m["time/train"])
+                + m["time/sync"]
+                for m in measured
+            ]
+            record["overlap_bound_seconds"] = statistics.median(bounds)
+            record["of_ceiling"] = statistics.median(b / t for b, t in zip(bounds, total))
+            record["overhead_share"] = None
+        else:
+            record["overhead_share"] = shares["outside_phases"]["share"]
+            record["of_ceiling"] = 1.0 - record["overhead_share"]  # the share of the step that is work
         record["generated_tokens_per_s"] = statistics.median(m["throughput/generate_tokens_per_s"] for m in measured)
         record["train_tokens_per_s"] = statistics.median(m["throughput/train_tokens_per_s"] for m in measured)
         self.result["phases"]["step"] = record
@@ -383,7 +397,8 @@ def _cpu_name() -> str:
 def run_bench(config: Config, options: BenchOptions) -> dict:
     """Start the system of ``config``, measure ``options.phases``; the results as a dict
     (what ``--json`` writes)."""
-    from dapo_megatron.trainer import load_initial_weights, load_run_data, start_system
+    from dapo_megatron.step import start_system
+    from dapo_megatron.trainer import load_initial_weights, load_run_data
 
     if options.steps < 1 or options.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0 (got {options.steps}, {options.warmup})")

@@ -37,6 +37,7 @@ from dapo_megatron.actor.batch import PolicyBatch
 from dapo_megatron.actor.weight_sync import check_feeders, feeder_roles
 from dapo_megatron.config import Config
 from dapo_megatron.orchestration.calls import call_all, cause_of, stop_all
+from dapo_megatron.orchestration.cluster import separate_cpu_cores
 from dapo_megatron.rollout.engine import SyncStats, WeightSyncError, with_last_flag
 
 logger = logging.getLogger(__name__)
@@ -146,13 +147,19 @@ class ActorRank:
 
         return ray.util.get_node_ip_address(), find_free_port()
 
-    def setup(self, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
+    def setup(
+        self, rank: int, world_size: int, master_addr: str, master_port: int, cores: Optional[list[int]] = None
+    ) -> dict:
         """Bring up the runtime and build the actor; returns this rank's RuntimeInfo as a dict."""
         from dapo_megatron.actor.megatron_actor import MegatronActor
         from dapo_megatron.orchestration.handles import share_storage, use_shareable_cpu_tensors
         from dapo_megatron.runtime.distributed import initialize_runtime
 
         cfg = self.config
+        if cores:
+            from dapo_megatron.orchestration.cluster import pin_process
+
+            pin_process(cores)  # before gloo and OpenMP start their threads
         threads = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
         torch.set_num_threads(threads)
         # With Ray's GPU isolation every rank sees its one GPU as device 0.
@@ -387,9 +394,14 @@ class ActorGroup:
         ]
         self._node_ids: Optional[list[str]] = None
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
+        separate = separate_cpu_cores(config)  # ranks on cores of their own (async generation)
+        rank_cores = separate[0] if separate else [None] * self.world_size
         self.names = [f"actor rank {rank}" for rank in range(self.world_size)]
         self.infos = call_all(
-            [r.setup.remote(rank, self.world_size, master_addr, master_port) for rank, r in enumerate(self.ranks)],
+            [
+                r.setup.remote(rank, self.world_size, master_addr, master_port, rank_cores[rank])
+                for rank, r in enumerate(self.ranks)
+            ],
             "an actor rank",
             self.names,
         )

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from dapo_megatron.config import RayConfig
+from dapo_megatron.config import Config, RayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -204,3 +204,41 @@ class RayCluster:
             raise
         self._link = link
         return self._short_dir
+
+
+def separate_cpu_cores(config: Config) -> Optional[tuple[list[list[int]], list[list[int]]]]:
+    """Cores for each actor rank and each engine, apart from one another
+    (``ray.separate_cores``; by default when engines generate while the actor trains,
+    ``trainer.async_generation``) on the CPU runtime of one local machine: one core per
+    rank, the rest shared out among the engines. None when that does not apply or the
+    machine has too few cores (logged)."""
+    wanted = config.ray.separate_cores
+    if wanted is None:
+        wanted = config.trainer.async_generation
+    if not (wanted and config.parallel.device == "cpu"):
+        return None
+    if config.ray.address is not None or config.parallel.num_nodes != 1 or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    ranks, engines = config.parallel.world_size, config.rollout.num_engines
+    if len(cores) < ranks + engines:
+        logger.warning(
+            "trainer.async_generation: %d cores cannot give %d actor rank(s) and %d engine(s) one each; "
+            "they share all cores and generation competes with training",
+            len(cores),
+            ranks,
+            engines,
+        )
+        return None
+    spare = cores[ranks:]
+    share = len(spare) // engines
+    return [[core] for core in cores[:ranks]], [spare[i * share : (i + 1) * share] for i in range(engines)]
+
+
+def pin_process(cores: list[int]) -> None:
+    """Pin every thread of this process (and those it starts later) to ``cores``."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass

@@ -24,6 +24,7 @@ import torch
 
 from dapo_megatron.config import Config, hf_weights_folder
 from dapo_megatron.orchestration.calls import call_all, stop_all
+from dapo_megatron.orchestration.cluster import separate_cpu_cores
 from dapo_megatron.rollout.engine import Generation, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,20 @@ logger = logging.getLogger(__name__)
 class EngineWorker:
     """One rollout engine in its own process."""
 
-    def __init__(self, config: Config, index: int, num_threads: int, weights_dir: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        index: int,
+        num_threads: int,
+        weights_dir: Optional[str] = None,
+        cores: Optional[list[int]] = None,
+    ) -> None:
         from dapo_megatron.orchestration.handles import BucketReceiver, use_shareable_cpu_tensors
 
+        if cores:
+            from dapo_megatron.orchestration.cluster import pin_process
+
+            pin_process(cores)
         use_shareable_cpu_tensors()
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -148,9 +160,15 @@ class RolloutWorkers:
         # CPU engines share the machine's cores: oversubscribed OpenMP threads spin and
         # slow every copy and matmul down several times.
         threads = config.ray.engine_num_threads or max(1, (os.cpu_count() or 1) // rollout.num_engines)
+        separate = separate_cpu_cores(config)  # engines on cores of their own (async generation)
+        engine_cores = separate[1] if separate else [None] * rollout.num_engines
+        if separate and not config.ray.engine_num_threads:
+            threads = len(engine_cores[0])
         options = {"num_cpus": 1, "num_gpus": (0.2 if rollout.colocate else rollout.engine_tp_size) if on_gpu else 0}
         self.engines = [
-            EngineWorker.options(**options).remote(config, index, 0 if on_gpu else threads, weights_dir)
+            EngineWorker.options(**options).remote(
+                config, index, 0 if on_gpu else threads, weights_dir, engine_cores[index]
+            )
             for index in range(rollout.num_engines)
         ]
         self.names = [f"rollout engine {index}" for index in range(len(self.engines))]

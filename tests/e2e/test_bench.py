@@ -71,7 +71,15 @@ def test_bench_on_the_cpu_example_config_writes_every_phase_with_its_ceiling_rat
     assert 0 < phases["sync"]["of_copy_ceiling"] and phases["sync"]["bytes"] > 0
     assert 0 < phases["reward"]["of_read_ceiling"] < 1 and phases["reward"]["responses"] == 200
     step = phases["step"]
-    assert set(step["phases"]) == {"generate", "reward", "old_log_prob", "train", "sync", "outside_phases"}
+    assert set(step["phases"]) == {
+        "generate",
+        "reward",
+        "old_log_prob",
+        "train",
+        "sync",
+        "wait_for_generation",
+        "outside_phases",
+    }
     assert 0 <= step["overhead_share"] < 1 and math.isclose(step["of_ceiling"], 1 - step["overhead_share"])
     for record in phases.values():
         assert record["seconds"]["median"] > 0

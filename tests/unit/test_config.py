@@ -381,7 +381,7 @@ def test_rollout_correction_settings_are_checked(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tiny(algorithm={"rollout_correction": "tis", "rollout_correction_cap": 1.0})))
     assert "algorithm.rollout_correction_cap=1.0 must be > 1" in error_of(path)
-    assert "expected 'none' | 'tis' | 'mis'" in error_of(
+    assert "expected 'auto' | 'none' | 'tis' | 'mis'" in error_of(
         path, ["algorithm.rollout_correction=is", "algorithm.rollout_correction_cap=2"]
     )
     message = error_of(path, ["algorithm.rollout_correction_cap=2", "algorithm.use_rollout_log_probs=true"])

@@ -1,0 +1,420 @@
+"""One DAPO step on the running system: what ``train`` and ``bench`` both run.
+
+:func:`start_system` starts the parts of a run (Ray, the reward pool, the actor's
+ranks, the rollout engines) and :class:`Stepper` runs steps on them: generate and score
+until dynamic sampling has the batch, advantages, the actor's old log-probs (or the
+engine's, with ``algorithm.use_rollout_log_probs``), the mismatch metrics and the
+rollout correction, the DAPO updates, the weight sync. With
+``trainer.async_generation`` the next batch is generated while the actor trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dapo_megatron.actor.batch import PolicyBatch
+from dapo_megatron.algo import DynamicSamplingAccumulator
+from dapo_megatron.algo.metrics import rollout_consistency
+from dapo_megatron.algo.rewards.pool import RewardPool
+from dapo_megatron.algo.rollout_correction import correction_weights, mismatch_metrics
+from dapo_megatron.config import Config, rollout_correction_of
+from dapo_megatron.data import PromptLoader
+from dapo_megatron.experience import (
+    Sample,
+    apply_rewards,
+    build_policy_batch,
+    engine_log_prob_grid,
+    response_metrics,
+    samples_from_generations,
+    samples_from_json,
+    samples_to_json,
+)
+from dapo_megatron.orchestration.actor_group import ActorGroup
+from dapo_megatron.orchestration.cluster import RayCluster
+from dapo_megatron.orchestration.rollout import RolloutWorkers, engine_seed
+from dapo_megatron.rollout.engine import SamplingParams, SyncStats
+
+logger = logging.getLogger(__name__)
+
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+"""What SLURM sends before it preempts or ends a job (``--signal`` chooses USR1 and when)."""
+
+
+class StopRequest:
+    """Catches the preemption signals while a run is live: the first is remembered (the
+    step in progress finishes, then the run saves and stops); later ones are only logged,
+    so a second signal cannot interrupt the save."""
+
+    def __init__(self) -> None:
+        self.signal_name: Optional[str] = None
+
+    def __call__(self, signum, frame) -> None:
+        import signal
+
+        name = signal.Signals(signum).name
+        if self.signal_name is None:
+            self.signal_name = name
+            logger.warning("received %s: finishing this step, then saving a checkpoint and stopping", name)
+        else:
+            logger.warning("received %s again: already stopping; the checkpoint being written is kept", name)
+
+    @contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signals reach only the main thread; nothing to install
+            return
+        previous = {name: signal.signal(getattr(signal, name), self) for name in PREEMPTION_SIGNALS}
+        try:
+            yield self
+        finally:
+            for name, handler in previous.items():
+                signal.signal(getattr(signal, name), handler)
+
+
+@dataclass
+class System:
+    """The running parts of a run, started by :func:`start_system`: the actor's ranks, the
+    rollout engines, the reward pool and the preemption-signal catcher."""
+
+    config: Config
+    actor: ActorGroup
+    engines: RolloutWorkers
+    rewards: RewardPool
+    stop: StopRequest
+
+    def sync_engines(self) -> SyncStats:
+        """The actor's current weights into every engine."""
+        r = self.config.rollout
+        return self.actor.sync_weights(
+            self.engines.handles, r.weight_sync_bucket_mb * 2**20, self.engines.num_update_ranks
+        )
+
+
+def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
+    """Start Ray (logs under ``run_dir``), the reward pool, the actor and the engines;
+    ``stack`` stops each of them when it closes. ``train`` and ``bench`` run the same one."""
+    r = config.rollout
+    cpus = max(os.cpu_count() or 1, config.parallel.world_size + r.num_engines + 1)
+    stack.enter_context(RayCluster(config.ray, run_dir, config.ray.num_cpus or cpus))
+    # After ray.init, which installs its own SIGTERM handler (it would end the process).
+    stop = stack.enter_context(StopRequest().installed())
+    rewards = RewardPool(config.algorithm.reward_fn, config.algorithm.reward_timeout_s, min(os.cpu_count() or 1, 8))
+    stack.callback(rewards.close)
+    actor = ActorGroup(config)
+    stack.callback(actor.shutdown)
+    engines = RolloutWorkers(config)
+    stack.callback(engines.shutdown)
+    return System(config, actor, engines, rewards, stop)
+
+
+def training_sampling(config: Config, tokenizer) -> SamplingParams:
+    """``rollout.*``: the sampling of training rollouts (stopping at the tokenizer's EOS)."""
+    r = config.rollout
+    return SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, (tokenizer.eos_token_id,))
+
+
+class StaleBatch(RuntimeError):
+    """A batch sampled more than one step before the actor's weights (or after them)."""
+
+
+def check_staleness(samples: list[Sample], version: int, step: int) -> list[int]:
+    """Each sample's staleness (actor version minus its policy version); raises
+    :class:`StaleBatch` naming the first sample beyond one step (or from the future)."""
+    staleness = [version - s.policy_version for s in samples]
+    for index, (sample, lag) in enumerate(zip(samples, staleness)):
+        if not 0 <= lag <= 1:
+            raise StaleBatch(
+                f"step {step}: sample {index} (prompt {sample.prompt.prompt_id}) was generated by policy version "
+                f"{sample.policy_version}, the actor is at version {version}; one-step-off-policy training allows "
+                "a lag of 0 or 1"
+            )
+    return staleness
+
+
+class Stepper:
+    """Runs DAPO steps 1-6 (see :mod:`dapo_megatron.trainer`) on a started :class:`System`.
+
+    In sync mode a step generates its batch, then trains on it. With
+    ``trainer.async_generation`` the generation of step k+1's batch (with the weights the
+    engines hold, the actor's before step k's update) runs in a background thread while
+    the actor trains on step k's; the step waits for it before the weight sync, so
+    between steps nothing is in flight, and the batch generated ahead is part of the
+    state a checkpoint keeps (:meth:`state_dict`). Every sample records the policy
+    version it was sampled with; a batch more than one step behind the actor is refused.
+    """
+
+    def __init__(
+        self, system: System, loader: PromptLoader, sampling: SamplingParams, tokenizer, version: int = 0
+    ) -> None:
+        self.system, self.loader, self.sampling, self.tokenizer = system, loader, sampling, tokenizer
+        self.config = system.config
+        self.asynchronous = self.config.trainer.async_generation
+        self.version = version  # the actor's weights: the number of steps trained
+        self.ahead: Optional[tuple[list[Sample], dict[str, float], dict[str, float]]] = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="generate-ahead") if self.asynchronous else None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _generate(self, step: int, version: int) -> tuple[list[Sample], dict[str, float], dict[str, float]]:
+        """Step ``step``'s batch with the engines' current weights (the actor's of
+        ``version``, read before any thread moves it on), its rollout metrics and the
+        seconds of its phases."""
+        times: dict[str, float] = {}
+        samples, metrics = _collect_groups(
+            self.system.engines,
+            self.system.rewards,
+            self.loader,
+            self.sampling,
+            self.config,
+            self.tokenizer,
+            step,
+            times,
+        )
+        for sample in samples:
+            sample.policy_version = version
+        return samples, metrics, times
+
+    def step(self, step: int, generate_ahead: bool) -> dict[str, float]:
+        """One step; its metrics, with each phase's seconds (``time/<phase>``), the whole
+        call's (``time/step``, metrics included) and, in sync mode, the part in no phase
+        (``time/outside_phases``). ``generate_ahead``: in async mode, generate step
+        ``step + 1``'s batch meanwhile (the trainer asks for it unless the run ends here
+        without a checkpoint)."""
+        config, actor, engines = self.config, self.system.actor, self.system.engines
+        r, a, d = config.rollout, config.algorithm, config.data
+        start = time.perf_counter()
+        if self.ahead is not None:
+            (samples, rollout_metrics, times), self.ahead = self.ahead, None
+        else:
+            samples, rollout_metrics, times = self._generate(step, self.version)
+        staleness = check_staleness(samples, self.version, step)
+        pending = (
+            self._pool.submit(self._generate, step + 1, self.version) if self.asynchronous and generate_ahead else None
+        )
+
+        # 5. Advantages by prompt identity; old log-probs; DAPO updates.
+        batch = build_policy_batch(samples, a)
+        rollout_log_probs = engine_log_prob_grid(samples, batch)  # [batch, seq]
+        # Release the engines' memory for training (colocated); not while they generate ahead.
+        release = r.colocate and not self.asynchronous
+        if release:
+            engines.release_memory()
+        entropy, correction_metrics = None, {}
+        correction = rollout_correction_of(config)
+        if a.use_rollout_log_probs:
+            batch.old_log_probs = rollout_log_probs  # the sampling policy is the old one
+        else:
+            with _timed(times, "old_log_prob"):
+                batch.old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature)
+            mask = batch.response_mask()
+            correction_metrics = {
+                f"rollout_mismatch/{k}": v
+                for k, v in mismatch_metrics(
+                    batch.old_log_probs, rollout_log_probs, mask, a.rollout_correction_cap
+                ).items()
+            }
+            if correction != "none":
+                batch.token_weights, applied = correction_weights(
+                    batch.old_log_probs,
+                    rollout_log_probs,
+                    mask,
+                    correction,
+                    a.rollout_correction_level,
+                    a.rollout_correction_cap,
+                )
+                correction_metrics.update({f"rollout_correction/{k}": v for k, v in applied.items()})
+        with _timed(times, "train"):
+            updates = actor.train(
+                batch, d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size, r.temperature
+            )
+        self.version += 1
+        if pending is not None:
+            with _timed(times, "wait_for_generation"):
+                self.ahead = pending.result()
+
+        # 6. Weight sync into every engine.
+        if release:
+            engines.resume_memory()
+        with _timed(times, "sync"):
+            sync = self.system.sync_engines()
+        metrics = {
+            **rollout_metrics,
+            **_step_metrics(samples, batch, rollout_log_probs, entropy, updates, sync, times),
+            **correction_metrics,
+            "staleness/mean": sum(staleness) / len(staleness),
+            "staleness/max": float(max(staleness)),
+        }
+        metrics["time/step"] = time.perf_counter() - start
+        if not self.asynchronous:  # phases overlap in async mode: no remainder to speak of
+            metrics["time/outside_phases"] = metrics["time/step"] - sum(times.values())
+        return metrics
+
+    def state_dict(self) -> dict:
+        """The batch generated ahead (async mode), as JSON values; empty when none."""
+        if self.ahead is None:
+            return {}
+        samples, metrics, times = self.ahead
+        return {"samples": samples_to_json(samples), "metrics": metrics, "times": times}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ahead = None
+        if state:
+            self.ahead = (samples_from_json(state["samples"]), state["metrics"], state["times"])
+
+
+@contextmanager
+def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the block's wall time to ``times[phase]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _collect_groups(
+    engines: RolloutWorkers,
+    rewards: RewardPool,
+    loader: PromptLoader,
+    sampling: SamplingParams,
+    config: Config,
+    tokenizer,
+    step: int,
+    times: dict[str, float],
+) -> tuple[list[Sample], dict[str, float]]:
+    """Rounds of generation and scoring until dynamic sampling holds ``train_batch_size``
+    groups (or fails after ``max_num_gen_batches`` rounds, naming the knobs). Returns the
+    kept samples (groups consecutive) and the rollout's metrics."""
+    r, a, d = config.rollout, config.algorithm, config.data
+    accumulator = DynamicSamplingAccumulator(
+        d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
+    )
+    generated_tokens = all_equal = groups = timeouts = errors = 0
+    round_index = 0
+    while not accumulator.is_full:
+        prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
+        params = replace(sampling, seed=engine_seed(r.seed, step, round_index))
+        samples = generate_and_score(
+            engines, rewards, prompts, params, r.n_samples_per_prompt, round_index, config, tokenizer, times
+        )
+        generated_tokens += sum(len(s.response_ids) for s in samples)
+        timeouts += sum(s.timed_out for s in samples)
+        errors += sum(s.reward_error for s in samples)
+        outcomes: dict = {}
+        for sample in samples:
+            outcomes.setdefault(sample.group_id, set()).add(sample.correct)
+        groups += len(outcomes)
+        all_equal += sum(len(o) == 1 for o in outcomes.values())
+        round_index += 1
+        accumulator.add(samples, [float(s.correct) for s in samples])
+    kept, _, sampling_metrics = accumulator.take()
+    metrics = {
+        **response_metrics(kept, r.max_response_length),
+        # Every reward call of the step counts, also those whose groups were dropped.
+        "reward/timeouts": float(timeouts),
+        "reward/errors": float(errors),
+        **{f"dynamic_sampling/{k}": v for k, v in sampling_metrics.items()},
+        "dynamic_sampling/batch_groups": len(kept) / r.n_samples_per_prompt,
+        "dynamic_sampling/all_equal_share": all_equal / max(groups, 1),
+        "throughput/generate_tokens_per_s": generated_tokens / max(times["generate"], 1e-9),
+        "throughput/reward_responses_per_s": groups * r.n_samples_per_prompt / max(times["reward"], 1e-9),
+        "data/epoch": float(loader.epoch),
+    }
+    return kept, metrics
+
+
+def generate_and_score(
+    engines: RolloutWorkers,
+    rewards: RewardPool,
+    prompts: list,
+    params: SamplingParams,
+    n: int,
+    round_index: int,
+    config: Config,
+    tokenizer,
+    times: dict[str, float],
+) -> list[Sample]:
+    """``n`` responses per prompt, scored with the overlong punishment; the seconds of
+    both go to ``times['generate']`` and ``times['reward']``."""
+    with _timed(times, "generate"):
+        generations = engines.generate([list(p.token_ids) for p in prompts], params, n)
+    samples = samples_from_generations(prompts, generations, round_index, tokenizer)
+    with _timed(times, "reward"):
+        results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
+        apply_rewards(samples, results, config.algorithm, config.rollout.max_response_length)
+    return samples
+
+
+def _step_metrics(
+    samples: list[Sample],
+    batch: PolicyBatch,
+    rollout_log_probs: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    updates: list[dict[str, float]],
+    sync: SyncStats,
+    times: dict[str, float],
+) -> dict[str, float]:
+    """The actor's, the train/rollout gap's and the phases' metrics of one step (the
+    actor's old-policy figures only when it computed them: ``entropy`` given)."""
+    mask = batch.response_mask()  # [batch, seq]
+    tokens = float(batch.seq_lengths.sum())
+    metrics = {
+        **_update_metrics(updates),
+        "sync/gb_per_s": sync.num_bytes / max(sync.seconds, 1e-9) / 1e9,
+        **{f"time/{k}": v for k, v in times.items()},
+        "throughput/train_tokens_per_s": tokens / max(times["train"], 1e-9),
+    }
+    if entropy is not None:
+        gap = rollout_consistency(batch.old_log_probs, rollout_log_probs, mask)
+        metrics.update({f"rollout/{k}": v for k, v in gap.items()})
+        metrics["actor/old_entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+        metrics["actor/gen_prob_mean"] = float((batch.old_log_probs.exp() * mask).sum() / mask.sum().clamp(min=1))
+        metrics["throughput/old_log_prob_tokens_per_s"] = tokens / max(times["old_log_prob"], 1e-9)
+    return metrics
+
+
+def _update_metrics(all_updates: list[dict[str, float]]) -> dict[str, float]:
+    """The step's DAPO updates as one set of metrics: token-weighted means, the largest
+    ratio, the last learning rate. Mini-batches without loss tokens (all rows filtered)
+    made no update and are only counted."""
+    updates = [u for u in all_updates if not u.get("empty")] or all_updates
+    tokens = sum(u["tokens"] for u in updates) or 1.0
+
+    def mean(key: str) -> float:
+        return sum(u[key] * u["tokens"] for u in updates) / tokens
+
+    return {
+        "actor/loss": sum(u["loss"] for u in updates) / len(updates),
+        "actor/entropy": mean("entropy"),
+        "actor/mean_prob": mean("mean_prob"),
+        "actor/pg_clipfrac_low": mean("pg_clipfrac_low"),
+        "actor/pg_clipfrac_high": mean("pg_clipfrac_high"),
+        "actor/pg_clipfrac_dual": mean("pg_clipfrac_dual"),
+        "actor/approx_kl": mean("approx_kl"),
+        "actor/ratio_mean": mean("ratio_mean"),
+        "actor/ratio_max": max(u["ratio_max"] for u in updates),
+        "actor/log_ratio_clamped": mean("log_ratio_clamped"),
+        "actor/empty_mini_batches": float(sum(u.get("empty", 0.0) for u in all_updates)),
+        "actor/first_update_ratio_max": updates[0]["ratio_max"],
+        "actor/grad_norm": sum(u["grad_norm"] for u in updates) / len(updates),
+        "actor/lr": updates[-1]["lr"],
+        "actor/num_updates": float(len(updates)),
+        "actor/updates_skipped": sum(u["update_skipped"] for u in updates),
+        "actor/nonfinite_updates": sum(u.get("nonfinite", 0.0) for u in updates),
+        "actor/tokens": float(tokens),
+    }
