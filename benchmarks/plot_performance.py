@@ -6,7 +6,10 @@ matplotlib). Writes
 
 - ``step_breakdown.png``: one step's median seconds per phase and the share in no phase;
 - ``demo_learning.png``: reward, training accuracy, validation accuracy and response
-  length over the run's steps.
+  length over the run's steps;
+- ``demo_mismatch.png``: the reward beside the training-inference mismatch (K3 KL of the
+  rollout policy from the actor's, mean and max per token; share of ratios outside the
+  cap), when the run logged it.
 """
 
 from __future__ import annotations
@@ -82,6 +85,37 @@ def plot_learning(metrics_file: Path, out: Path) -> Path:
     return path
 
 
+def plot_mismatch(metrics_file: Path, out: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "rollout_mismatch/kl_k3_mean" in r]
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    left.plot(steps, [r["reward/score_mean"] for r in rows], lw=1)
+    left.set_xlabel("step")
+    left.set_title("reward (kept groups)", fontsize=9)
+    right.semilogy(steps, [max(r["rollout_mismatch/kl_k3_mean"], 1e-16) for r in rows], lw=1, label="K3 KL, mean")
+    right.semilogy(steps, [max(r["rollout_mismatch/kl_k3_max"], 1e-16) for r in rows], lw=1, label="K3 KL, max")
+    right.set_xlabel("step")
+    right.set_title("KL(rollout || actor) per token", fontsize=9)
+    right.legend(fontsize=7)
+    outside = max(r["rollout_mismatch/ratio_outside_cap_share"] for r in rows)
+    right.text(
+        0.02, 0.02, f"largest share of ratios outside the cap: {outside:.2g}", transform=right.transAxes, fontsize=7
+    )
+    fig.tight_layout()
+    path = out / "demo_mismatch.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, required=True, help="a `dapo-megatron bench --json` file")
@@ -89,11 +123,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    for path in (
+    written = [
         plot_step_breakdown(json.loads(args.bench.read_text()), args.out),
         plot_learning(args.metrics, args.out),
-    ):
-        print(f"wrote {path}")
+        plot_mismatch(args.metrics, args.out),
+    ]
+    for path in written:
+        if path is not None:
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

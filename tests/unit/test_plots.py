@@ -29,7 +29,15 @@ def test_plot_script_writes_both_figures(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     rows = [{"step": 0, "val/accuracy": 0.03}]
     rows += [
-        {"step": s, "reward/score_mean": -1 + s / 5, "reward/accuracy": s / 10, "response/length_mean": 3.0}
+        {
+            "step": s,
+            "reward/score_mean": -1 + s / 5,
+            "reward/accuracy": s / 10,
+            "response/length_mean": 3.0,
+            "rollout_mismatch/kl_k3_mean": 1e-7 * s,
+            "rollout_mismatch/kl_k3_max": 1e-5 * s,
+            "rollout_mismatch/ratio_outside_cap_share": 0.0,
+        }
         for s in range(1, 6)
     ]
     rows.append({"step": 5, "val/accuracy": 0.3})
@@ -50,6 +58,6 @@ def test_plot_script_writes_both_figures(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    for name in ("step_breakdown.png", "demo_learning.png"):
+    for name in ("step_breakdown.png", "demo_learning.png", "demo_mismatch.png"):
         data = (tmp_path / "img" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
