@@ -7,9 +7,11 @@ dynamic sampling keeps groups whose answers disagree and draws more rounds until
 the actor; ``train_batch_size * n / mini_batch_size`` DAPO updates; weight sync into
 every engine; metrics; a checkpoint every ``checkpoint.save_every`` steps.
 
-Where work runs is hidden behind three objects: ``actor`` (the Megatron ranks),
-``engines`` (the rollout engines) and ``rewards`` (a process pool). The trainer times the
-calls and gathers metrics around them; it never touches a Ray handle.
+Steps 1-6 of a step are :class:`dapo_megatron.step.Stepper` (shared with ``bench``);
+this module runs the steps and what surrounds them: data, resume, validation,
+checkpoints, preemption, the bad-step stop and the final export. Where work runs is
+hidden behind three objects: ``actor`` (the Megatron ranks), ``engines`` (the rollout
+engines) and ``rewards`` (a process pool); the trainer never touches a Ray handle.
 """
 
 from __future__ import annotations

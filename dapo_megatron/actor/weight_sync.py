@@ -17,15 +17,15 @@ on every rank of the first data-parallel replica:
   they arrive (``engine.update_weights``).
 
 No rank ever holds more than one parameter's full tensor plus one bucket, never the
-whole model.
+whole model. Unsharded parameters travel as views of the live weights (no copy); the
+engine copies what it receives before the sync returns, and training does not resume
+until then.
 
 Engines that accept *pieces* (``accepts_pieces``: the transformers engine) can instead be
 fed by every rank of the first replica directly (:func:`iter_piece_buckets`): each rank
 sends views of its own shards with their place in the HF tensor
 (:func:`~dapo_megatron.ckpt.qwen2_mapping.shard_to_hf_pieces`), so nothing is gathered,
-rearranged or relayed between stages, and the engine's copy is the only one. Unsharded parameters travel as views of the live weights (no copy); the
-engine copies what it receives before the sync returns, and training does not resume
-until then.
+rearranged or relayed between stages, and the engine's copy is the only one.
 """
 
 from __future__ import annotations
@@ -78,35 +78,41 @@ def iter_hf_tensors(actor) -> Iterator[tuple[str, torch.Tensor]]:
     Must be run by every tensor-parallel rank of the stage (the gathers are collective);
     non-leaders yield nothing.
     """
-    gpt = actor.gpt
     shape = Qwen2Shape.from_model_config(actor.model_config)
     tp_group = actor.tp_group
     leader = actor.runtime.tp_rank == 0
-    params = dict(gpt.named_parameters())
+    params = dict(actor.gpt.named_parameters())
 
     # q/k/v are rearranged on every sync: reuse the same export buffers each time rather
     # than faulting in fresh memory (the engine copies them before the sync returns).
     buffers = actor.hf_export_buffers
 
-    def convert(megatron_key: str, param_name: str, layer: Optional[int]):
+    for megatron_key, param_name, layer in _stage_params_in_order(actor):
         full = _gather_to_leader(params[param_name], megatron_key, tp_group, leader)
         if leader:
             yield from to_hf(megatron_key, full, shape, layer, buffers).items()
 
+
+def _stage_params_in_order(actor) -> list[tuple[str, str, Optional[int]]]:
+    """This pipeline stage's parameters in model order as ``(megatron_key, parameter
+    name, global layer index or None)``: embedding, layers, final norm, output layer."""
+    gpt = actor.gpt
+    params = [name for name, _ in gpt.named_parameters()]
+    order: list[tuple[str, str, Optional[int]]] = []
     if gpt.pre_process:
-        yield from convert(EMBEDDING, "embedding.word_embeddings.weight", None)
+        order.append((EMBEDDING, "embedding.word_embeddings.weight", None))
     for local_index, layer in enumerate(gpt.decoder.layers):
-        global_index = layer.layer_number - 1
         prefix = f"decoder.layers.{local_index}."
         for name in sorted(n[len(prefix) :] for n in params if n.startswith(prefix)):
             canonical = canonical_layer_param(name)
             if canonical not in LAYER_PARAMS:
                 raise WeightSyncError(f"no HF mapping for actor parameter {prefix}{name}")
-            yield from convert(megatron_layer_key(canonical), prefix + name, global_index)
+            order.append((megatron_layer_key(canonical), prefix + name, layer.layer_number - 1))
     if gpt.post_process:
-        yield from convert(FINAL_NORM, "decoder.final_layernorm.weight", None)
-        if not shape.tie_word_embeddings:
-            yield from convert(OUTPUT_LAYER, "output_layer.weight", None)
+        order.append((FINAL_NORM, "decoder.final_layernorm.weight", None))
+        if not actor.model_config.tie_word_embeddings:
+            order.append((OUTPUT_LAYER, "output_layer.weight", None))
+    return order
 
 
 def iter_weight_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
@@ -131,26 +137,11 @@ def iter_piece_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Itera
     shared memory (colocated engines on the CPU) are references, so they all fit in one."""
     if actor.runtime.dp_rank != 0:
         return
-    gpt = actor.gpt
     shape = Qwen2Shape.from_model_config(actor.model_config)
     tp_rank, tp_size = actor.runtime.tp_rank, actor.parallel.tp_size
-    params = dict(gpt.named_parameters())
-    order: list[tuple[str, str, Optional[int]]] = []
-    if gpt.pre_process:
-        order.append((EMBEDDING, "embedding.word_embeddings.weight", None))
-    for local_index, layer in enumerate(gpt.decoder.layers):
-        prefix = f"decoder.layers.{local_index}."
-        for name in sorted(n[len(prefix) :] for n in params if n.startswith(prefix)):
-            canonical = canonical_layer_param(name)
-            if canonical not in LAYER_PARAMS:
-                raise WeightSyncError(f"no HF mapping for actor parameter {prefix}{name}")
-            order.append((megatron_layer_key(canonical), prefix + name, layer.layer_number - 1))
-    if gpt.post_process:
-        order.append((FINAL_NORM, "decoder.final_layernorm.weight", None))
-        if not shape.tie_word_embeddings:
-            order.append((OUTPUT_LAYER, "output_layer.weight", None))
+    params = dict(actor.gpt.named_parameters())
     bucket, size = WeightBucket(), 0
-    for key, param_name, layer_index in order:
+    for key, param_name, layer_index in _stage_params_in_order(actor):
         for name, piece, offset in shard_to_hf_pieces(
             key, params[param_name].detach(), shape, layer_index, tp_rank, tp_size
         ):

@@ -108,6 +108,7 @@ class _Bench:
         self.tokenizer, self.loader = data
         self.shape = Qwen2Shape.from_model_config(config.model)
         self.devices = _devices(config)
+        self.on_gpu = torch.cuda.is_available() and config.parallel.device != "cpu"
         self.result: dict = {"phases": {}, "ceilings": {}}
         self.batch = None
 
@@ -162,9 +163,8 @@ class _Bench:
         c["matmul_flops_per_s_per_rank"] = per_rank
         c["matmul_flops_per_s"] = sum(per_rank)
         c["matmul_shapes"] = {"tokens": tokens, "in_out": shapes}
-        on_gpu = torch.cuda.is_available() and self.config.parallel.device != "cpu"
-        c["device"] = torch.cuda.get_device_name() if on_gpu else _cpu_name()
-        peak = published_peak(c["device"]) if on_gpu else None
+        c["device"] = torch.cuda.get_device_name() if self.on_gpu else _cpu_name()
+        peak = published_peak(c["device"]) if self.on_gpu else None
         tflops = self.options.peak_tflops or (peak.bf16_tflops if peak else None)
         tb_per_s = self.options.peak_tb_per_s or (peak.memory_tb_per_s if peak else None)
         if tflops:
@@ -177,8 +177,7 @@ class _Bench:
         once, in this process: on the CPU it has every core)."""
         c = self.result["ceilings"]
         if "copy_bytes_per_s" not in c:
-            on_gpu = torch.cuda.is_available() and self.config.parallel.device != "cpu"
-            device = torch.device("cuda" if on_gpu else "cpu")
+            device = torch.device("cuda" if self.on_gpu else "cpu")
             c["copy_bytes_per_s"] = copy_bytes_per_s(num_bytes, device)
             c["copy_bytes"] = num_bytes
         return c["copy_bytes_per_s"]
@@ -195,48 +194,56 @@ class _Bench:
         return prompts, params
 
     def generate(self, measure: bool) -> None:
-        """A generation batch (measured or not); keeps the last one as the training batch."""
-        from dapo_megatron.experience import apply_rewards, build_policy_batch, samples_from_generations
+        """A generation batch (measured or not), generated and scored as the trainer does;
+        keeps the last one's first ``train_batch_size`` groups as the training batch."""
+        from dapo_megatron.experience import build_policy_batch
+        from dapo_megatron.step import generate_and_score
 
         r, d = self.config.rollout, self.config.data
         record: dict = {}
         rounds = iter(range(1_000_000))
+        seconds: list[float] = []  # of the generation alone, not the scoring
         last: dict = {}
 
         def one() -> None:
-            prompts, params = self._prompts(next(rounds))
-            last["prompts"] = prompts
-            last["generations"] = self.system.engines.generate(
-                [list(p.token_ids) for p in prompts], params, r.n_samples_per_prompt
+            round_index = next(rounds)
+            prompts, params = self._prompts(round_index)
+            times: dict[str, float] = {}
+            last["samples"] = generate_and_score(
+                self.system.engines,
+                self.system.rewards,
+                prompts,
+                params,
+                r.n_samples_per_prompt,
+                round_index,
+                self.config,
+                self.tokenizer,
+                times,
             )
+            seconds.append(times["generate"])
 
         if measure:
             with self._peak_memory(record, actor=False):
-                seconds = self._repeat(one)
+                self._repeat(one)
         else:
             one()
-        generations = last["generations"]
-        prompts = last["prompts"]
+        samples = last["samples"]
         if measure:
-            tokens = sum(len(g.token_ids) for g in generations)
-            flops = sum(
-                decode_flops(self.shape, len(prompts[g.prompt_index].token_ids), len(g.token_ids)) for g in generations
-            )
-            median = statistics.median(seconds)
+            measured = seconds[self.options.warmup :]
+            tokens = sum(len(s.response_ids) for s in samples)
+            flops = sum(decode_flops(self.shape, len(s.prompt.token_ids), len(s.response_ids)) for s in samples)
+            median = statistics.median(measured)
             record.update(
-                seconds=_stats(seconds),
-                responses=len(generations),
+                seconds=_stats(measured),
+                responses=len(samples),
                 tokens=tokens,
                 tokens_per_s=tokens / median,
                 tokens_per_s_per_device=tokens / median / self.devices["engines"],
             )
             self._compute(record, flops, median, self.devices["engines"])
             self.result["phases"]["generate"] = record
-        samples = samples_from_generations(prompts, generations, 0, self.tokenizer)
-        samples = samples[: d.train_batch_size * r.n_samples_per_prompt]  # whole groups: the trainer's batch
-        results = self.system.rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
-        apply_rewards(samples, results, self.config.algorithm, r.max_response_length)
-        self.batch = build_policy_batch(samples, self.config.algorithm)
+        # Whole groups, as many as the trainer's batch holds.
+        self.batch = build_policy_batch(samples[: d.train_batch_size * r.n_samples_per_prompt], self.config.algorithm)
 
     def _actor_phase(self, name: str, action, train: bool, record: dict) -> None:
         """Time ``action`` on the actor; tokens/s and FLOP figures of the batch."""
@@ -404,7 +411,10 @@ def run_bench(config: Config, options: BenchOptions) -> dict:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0 (got {options.steps}, {options.warmup})")
     phases = options.phases
     needs_data = bool(_NEEDS_DATA & set(phases))
-    data = load_run_data(config)[0::3] if needs_data else (None, None)
+    data = (None, None)
+    if needs_data:
+        tokenizer, _, _, loader = load_run_data(config)
+        data = (tokenizer, loader)
     started = time.perf_counter()
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dapo-bench-")))

@@ -48,10 +48,10 @@ _UPDATE_GROUP = "dapo_weight_update"
 def _update_session(engines: list, what: str, stream) -> SyncStats:
     """One weight update of every engine: open the session, ``stream()`` the buckets into
     them, close it; on any failure abort it everywhere and raise WeightSyncError."""
-    ray.get([engine.begin_weight_update.remote() for engine in engines])
+    call_all([engine.begin_weight_update.remote() for engine in engines], "a rollout engine")
     try:
         stats = stream()
-        ray.get([engine.end_weight_update.remote() for engine in engines])
+        call_all([engine.end_weight_update.remote() for engine in engines], "a rollout engine")
     except Exception as exc:
         ray.get([engine.abort_weight_update.remote() for engine in engines])
         raise WeightSyncError(f"{what} into the rollout engines failed: {cause_of(exc)}") from exc
@@ -235,12 +235,9 @@ class ActorRank:
 
     def peak_memory(self, reset: bool) -> int:
         """This rank's peak memory since the last reset (then reset it, if ``reset``)."""
-        from dapo_megatron.runtime.measure import peak_memory_bytes, reset_peak_memory
+        from dapo_megatron.runtime.measure import take_peak_memory
 
-        peak = peak_memory_bytes(self.actor.device)
-        if reset:
-            reset_peak_memory(self.actor.device)
-        return peak
+        return take_peak_memory(self.actor.device, reset)
 
     def node_id(self) -> str:
         """The Ray node this rank runs on."""
@@ -393,6 +390,7 @@ class ActorGroup:
             for rank in range(self.world_size)
         ]
         self._node_ids: Optional[list[str]] = None
+        self._engine_nodes: dict[tuple, list[str]] = {}
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
         separate = separate_cpu_cores(config)  # ranks on cores of their own (async generation)
         rank_cores = separate[0] if separate else [None] * self.world_size
@@ -502,38 +500,46 @@ class ActorGroup:
     def _feeds_pieces(self, engines: list) -> bool:
         """Whether every rank of the first replica can feed every engine its own shards:
         colocated transformers engines on the CPU runtime, all on the ranks' one node
-        (handles name shared memory, which only that node can map)."""
+        (handles name shared memory, which only that node can map). Asked of Ray once per
+        set of engines."""
         from dapo_megatron.orchestration.rollout import engine_kind
 
         if not (self.config.rollout.colocate and self.infos[0]["device"] == "cpu" and engine_kind(self.config) == "hf"):
             return False
+        nodes = self._nodes_of(engines)
+        return len(set(self._rank_nodes()) | set(nodes)) == 1
+
+    def _rank_nodes(self) -> list[str]:
+        """Each rank's Ray node (asked once: placement does not change during a run)."""
         if self._node_ids is None:
             self._node_ids = call_all([r.node_id.remote() for r in self.ranks], "an actor rank", self.names)
-        engine_nodes = call_all([engine.node_id.remote() for engine in engines], "a rollout engine")
-        return len(set(self._node_ids) | set(engine_nodes)) == 1
+        return self._node_ids
+
+    def _nodes_of(self, engines: list) -> list[str]:
+        """Each engine's Ray node, asked once per set of engines."""
+        key = tuple(engines)
+        if key not in self._engine_nodes:
+            self._engine_nodes[key] = call_all([engine.node_id.remote() for engine in engines], "a rollout engine")
+        return self._engine_nodes[key]
 
     def _sync_by_pieces(self, engines: list, bucket_bytes: int) -> SyncStats:
         """Every first-replica rank sends its own shards to every engine, all at once,
         inside one update session per engine (see :meth:`ActorRank.feed_pieces`)."""
         start = time.perf_counter()
         senders = [i for i, info in enumerate(self.infos) if info["dp_rank"] == 0]
-        call_all([e.begin_weight_update.remote() for e in engines], "a rollout engine")
-        try:
+
+        def stream() -> SyncStats:
             sent = call_all(
                 [self.ranks[i].feed_pieces.remote(engines, bucket_bytes) for i in senders],
                 "an actor rank",
                 [self.names[i] for i in senders],
             )
-            call_all([e.end_weight_update.remote() for e in engines], "a rollout engine")
-        except Exception as exc:
-            ray.get([e.abort_weight_update.remote() for e in engines])
-            raise WeightSyncError(f"weight sync into the rollout engines failed: {cause_of(exc)}") from exc
-        return SyncStats(
-            time.perf_counter() - start,
-            sum(s["num_bytes"] for s in sent),
-            sum(s["num_tensors"] for s in sent),
-            sum(s["num_buckets"] for s in sent),
-        )
+            return SyncStats(
+                time.perf_counter() - start,
+                *(sum(s[key] for s in sent) for key in ("num_bytes", "num_tensors", "num_buckets")),
+            )
+
+        return _update_session(engines, "weight sync", stream)
 
     def plan_feeders(self, engines: list) -> dict[int, list[int]]:
         """Each engine is fed by the lowest rank on its node that may feed (a stage leader
@@ -541,12 +547,10 @@ class ActorGroup:
         per set of engines (placement does not change during a run)."""
         key = tuple(engines)
         if key not in self._feeder_plans:
-            if self._node_ids is None:
-                self._node_ids = call_all([r.node_id.remote() for r in self.ranks], "an actor rank", self.names)
-            engine_nodes = call_all([engine.node_id.remote() for engine in engines], "a rollout engine")
+            rank_nodes = self._rank_nodes()
             plan: dict[int, list[int]] = {}
-            for index, node in enumerate(engine_nodes):
-                local = [rank for rank in sorted(self.valid_feeders) if self._node_ids[rank] == node]
+            for index, node in enumerate(self._nodes_of(engines)):
+                local = [rank for rank in sorted(self.valid_feeders) if rank_nodes[rank] == node]
                 plan.setdefault(local[0] if local else 0, []).append(index)
             self._feeder_plans[key] = plan
         return self._feeder_plans[key]

@@ -97,13 +97,9 @@ class EngineWorker:
     def peak_memory(self, reset: bool) -> int:
         """This engine's peak memory since the last reset (then reset it, if ``reset``): its
         process's (an SGLang engine's scheduler runs in processes of its own, not counted)."""
-        from dapo_megatron.runtime.measure import peak_memory_bytes, reset_peak_memory
+        from dapo_megatron.runtime.measure import take_peak_memory
 
-        device = torch.device(getattr(self.engine, "device", "cpu"))
-        peak = peak_memory_bytes(device)
-        if reset:
-            reset_peak_memory(device)
-        return peak
+        return take_peak_memory(torch.device(getattr(self.engine, "device", "cpu")), reset)
 
     def health(self) -> dict:
         return {**self.engine.health(), "index": self.index, "pid": os.getpid()}

@@ -11,10 +11,9 @@ is kept between syncs (the engine holds two copies of the weights), so a sync co
 into memory that is already mapped instead of allocating a model's worth every step.
 
 On the CPU a bucket's copies run on one Python thread per core, each copy single-threaded
-(:func:`parallel_copy`): torch's own intra-op parallelism wakes every OpenMP thread for
-each tensor, and over a bucket of 4-16 MB tensors that cost more than the copying (a
-model's worth copied tensor by tensor took 1.6-4x as long as one flat copy; split over
-threads it takes as long).
+(:func:`parallel_copy`), instead of one tensor after another with torch's intra-op
+threads: for a 1.24 GB model's ~200 tensors on this project's 2-core machine, 0.113-0.122
+s against 0.123-0.156 s tensor by tensor (one flat copy of the same bytes: 0.102-0.109 s).
 """
 
 from __future__ import annotations

@@ -41,6 +41,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
+def take_peak_memory(device: torch.device, reset: bool) -> int:
+    """:func:`peak_memory_bytes`, then (``reset``) :func:`reset_peak_memory`: what a
+    process reports when asked for one phase's peak."""
+    peak = peak_memory_bytes(device)
+    if reset:
+        reset_peak_memory(device)
+    return peak
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
