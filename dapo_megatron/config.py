@@ -153,7 +153,13 @@ class RolloutConfig:
     weight_sync_bucket_mb: int = 512
     """Size of the buckets in which weights are streamed to the engines."""
     seed: int = 1234
-    """Seed of the rollout samplers."""
+    """Seed of the rollout samplers (a distinct one per step, round and engine; SGLang
+    gives each response row its own on top). The transformers engine reproduces its
+    samples from it; SGLang only with ``deterministic_inference``."""
+    deterministic_inference: bool = False
+    """SGLang's deterministic inference (``enable_deterministic_inference``): the per-row
+    seeds are honoured and a rerun on the same GPUs and SGLang release samples the same
+    responses; slower kernels. Off: SGLang ignores the seeds."""
     val_n_samples: int = 32
     """Responses per validation prompt (avg@32 for AIME)."""
     val_temperature: float = 1.0

@@ -37,7 +37,7 @@ class Sample:
     engine_log_probs: list[float]
     """The engine's sampling log-prob of each response token."""
     finish_reason: str
-    """``stop`` or ``length`` (truncated)."""
+    """``stop``, ``length`` (truncated) or ``abort`` (the engine gave up on it)."""
     text: str
     """The decoded response."""
     correct: bool = False
@@ -82,6 +82,15 @@ def samples_from_generations(
             )
         )
     return samples
+
+
+def drop_aborted_groups(samples: list[Sample]) -> tuple[list[Sample], int]:
+    """The samples of the groups in which no response was aborted by the engine (an
+    aborted response has no reward to learn from, and a group without it would get
+    advantages of a different group); and how many responses were aborted."""
+    aborted_groups = {s.group_id for s in samples if s.finish_reason == "abort"}
+    kept = [s for s in samples if s.group_id not in aborted_groups]
+    return kept, sum(s.finish_reason == "abort" for s in samples)
 
 
 def apply_rewards(

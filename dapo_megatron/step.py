@@ -33,6 +33,7 @@ from dapo_megatron.experience import (
     Sample,
     apply_rewards,
     build_policy_batch,
+    drop_aborted_groups,
     engine_log_prob_grid,
     response_metrics,
     samples_from_generations,
@@ -304,7 +305,7 @@ def _collect_groups(
     accumulator = DynamicSamplingAccumulator(
         d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
     )
-    generated_tokens = all_equal = groups = timeouts = errors = 0
+    generated_tokens = all_equal = groups = timeouts = errors = aborted = 0
     round_index = 0
     while not accumulator.is_full:
         prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
@@ -313,6 +314,8 @@ def _collect_groups(
             engines, rewards, prompts, params, r.n_samples_per_prompt, round_index, config, tokenizer, times
         )
         generated_tokens += sum(len(s.response_ids) for s in samples)
+        samples, round_aborted = drop_aborted_groups(samples)
+        aborted += round_aborted
         timeouts += sum(s.timed_out for s in samples)
         errors += sum(s.reward_error for s in samples)
         outcomes: dict = {}
@@ -328,6 +331,7 @@ def _collect_groups(
         # Every reward call of the step counts, also those whose groups were dropped.
         "reward/timeouts": float(timeouts),
         "reward/errors": float(errors),
+        "rollout/aborted_responses": float(aborted),
         **{f"dynamic_sampling/{k}": v for k, v in sampling_metrics.items()},
         "dynamic_sampling/batch_groups": len(kept) / r.n_samples_per_prompt,
         "dynamic_sampling/all_equal_share": all_equal / max(groups, 1),

@@ -9,6 +9,14 @@ handle (:mod:`handles`); the worker maps the bucket and the engine copies it in.
 
 Engines start with placeholder weights: the trainer syncs the actor's weights into them
 before the first generation, so actor and engines always hold the same policy.
+
+An engine is built in two phases: the worker process starts, then :meth:`EngineWorker.start`
+builds the engine on the GPUs it was given. On a GPU node several engines share the node
+(the 32B recipe: 32 engines on 128 GPUs), so each is told its first GPU (SGLang's
+``base_gpu_id``) among all of the node's devices, which its process sees (Ray would
+otherwise narrow them to a fractional share's one GPU): colocated engines take
+consecutive ``engine_tp_size`` slots on their node (:func:`engine_gpu_bases`); separate
+engines take the GPUs Ray reserved for them.
 """
 
 from __future__ import annotations
@@ -51,9 +59,20 @@ class EngineWorker:
         use_shareable_cpu_tensors()
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.index = index
-        self.engine = _build_engine(config, index, weights_dir)
+        self.config, self.index, self.weights_dir = config, index, weights_dir
+        self.engine = None
         self.receiver = BucketReceiver()
+
+    def start(self, base_gpu_id: Optional[int] = None) -> None:
+        """Build the engine (in this process only: SGLang changes process-wide settings);
+        on a GPU on ``base_gpu_id`` and the next ``engine_tp_size - 1`` devices, or, when
+        None, on the GPUs Ray reserved for this worker."""
+        from dapo_megatron.rollout.sglang_engine import mark_engine_process
+
+        mark_engine_process()
+        if base_gpu_id is None and engine_kind(self.config) == "sglang":
+            base_gpu_id = reserved_gpu_base([int(i) for i in ray.get_gpu_ids()], self.config.rollout.engine_tp_size)
+        self.engine = _build_engine(self.config, self.index, self.weights_dir, base_gpu_id or 0)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Generation]:
         return self.engine.generate(prompts, params, n)
@@ -120,17 +139,50 @@ def engine_kind(config: Config) -> str:
     return "sglang" if torch.cuda.is_available() and config.parallel.device != "cpu" else "hf"
 
 
-def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None):
+def engine_gpu_bases(engine_nodes: list[str], tp_size: int, gpus_per_node: int) -> list[int]:
+    """Colocated engines: each engine's first GPU on its node (engines of a node, in index
+    order, take consecutive ``tp_size`` slots); ValueError when a node's engines need more
+    GPUs than it has."""
+    bases, used = [], {}
+    for index, node in enumerate(engine_nodes):
+        base = used.get(node, 0)
+        if base + tp_size > gpus_per_node:
+            count = engine_nodes.count(node)
+            raise ValueError(
+                f"rollout engine {index}: node {node} holds {count} engines of engine_tp_size={tp_size} "
+                f"({count * tp_size} GPUs) but has {gpus_per_node} (parallel.num_devices_per_node): lower "
+                "rollout.num_engines or engine_tp_size, or add nodes"
+            )
+        bases.append(base)
+        used[node] = base + tp_size
+    return bases
+
+
+def reserved_gpu_base(gpu_ids: list[int], tp_size: int) -> int:
+    """The first of the consecutive GPUs Ray reserved for a separate engine."""
+    ids = sorted(gpu_ids)
+    if not ids or ids != list(range(ids[0], ids[0] + tp_size)):
+        raise ValueError(
+            f"a separate rollout engine of engine_tp_size={tp_size} needs {tp_size} consecutive GPUs of its own; "
+            f"Ray reserved {ids}"
+        )
+    return ids[0]
+
+
+def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None, base_gpu_id: int = 0):
     """The engine of worker ``index``: with ``weights_dir`` (an HF folder) serving those
-    weights; otherwise the trainer's engines, whose weights the actor syncs in."""
+    weights; otherwise the trainer's engines, whose weights the actor syncs in. SGLang's
+    on ``base_gpu_id`` onwards."""
     rollout = config.rollout
     if engine_kind(config) == "hf":
-        from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+        from dapo_megatron.rollout.hf_engine import HFRolloutEngine, hf_eos_token_ids
 
         device = "cuda" if torch.cuda.is_available() and config.parallel.device == "cuda" else "cpu"
         if weights_dir is not None:
             return HFRolloutEngine.from_pretrained(weights_dir, device=device)
-        return HFRolloutEngine.from_model_config(config.model, device=device)
+        folder = hf_weights_folder(config.model)
+        eos = hf_eos_token_ids(folder) if folder is not None else ()
+        return HFRolloutEngine.from_model_config(config.model, device=device, eos_token_ids=eos)
     from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 
     folder = Path(weights_dir) if weights_dir is not None else hf_weights_folder(config.model)
@@ -139,9 +191,11 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None)
     return SGLangRolloutEngine(
         str(folder),
         tp_size=rollout.engine_tp_size,
+        base_gpu_id=base_gpu_id,
         mem_fraction_static=rollout.gpu_memory_utilization,
         seed=rollout.seed + index,
         enable_memory_saver=rollout.colocate,
+        deterministic=rollout.deterministic_inference,
     )
 
 
@@ -161,6 +215,8 @@ class RolloutWorkers:
         if separate and not config.ray.engine_num_threads:
             threads = len(engine_cores[0])
         options = {"num_cpus": 1, "num_gpus": (0.2 if rollout.colocate else rollout.engine_tp_size) if on_gpu else 0}
+        if on_gpu:  # the worker sees all of its node's GPUs and is told which are its own
+            options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         self.engines = [
             EngineWorker.options(**options).remote(
                 config, index, 0 if on_gpu else threads, weights_dir, engine_cores[index]
@@ -168,6 +224,13 @@ class RolloutWorkers:
             for index in range(rollout.num_engines)
         ]
         self.names = [f"rollout engine {index}" for index in range(len(self.engines))]
+        bases: list[Optional[int]] = [None] * len(self.engines)
+        if on_gpu and rollout.colocate:
+            nodes = call_all([engine.node_id.remote() for engine in self.engines], "a rollout engine", self.names)
+            bases = list(engine_gpu_bases(nodes, rollout.engine_tp_size, config.parallel.num_devices_per_node))
+        call_all(
+            [engine.start.remote(base) for engine, base in zip(self.engines, bases)], "a rollout engine", self.names
+        )
         health = call_all([engine.health.remote() for engine in self.engines], "a rollout engine", self.names)
         self.names = [f"rollout engine {h['index']} (pid {h['pid']})" for h in health]
         self._update_ranks = rollout.engine_tp_size if on_gpu else 1

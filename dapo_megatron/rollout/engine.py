@@ -57,8 +57,9 @@ class Generation:
     """The response's tokens (the stop token included when it stopped on one)."""
     log_probs: list[float]
     """``log_softmax(logits / temperature)`` of each response token when it was sampled."""
-    finish_reason: Literal["stop", "length"]
-    """``stop``: ended on a stop token; ``length``: reached ``max_new_tokens``."""
+    finish_reason: Literal["stop", "length", "abort"]
+    """``stop``: ended on a stop token; ``length``: reached ``max_new_tokens``; ``abort``:
+    the engine gave up on the request (its group is not trained on)."""
     text: Optional[str] = None
     """Decoded text, when the engine has a tokenizer."""
 

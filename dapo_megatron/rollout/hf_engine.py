@@ -83,6 +83,25 @@ def qwen2_config_for(shape: Qwen2Shape, *, rms_norm_eps: float, rope_theta: floa
     )
 
 
+def hf_eos_token_ids(hf_dir) -> tuple[int, ...]:
+    """The end-of-sequence ids an HF folder declares (``config.json`` and
+    ``generation_config.json``, each an id or a list): where SGLang stops besides the
+    request's ``stop_token_ids``, so this engine stops there too."""
+    import json
+    from pathlib import Path
+
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = Path(hf_dir) / name
+        if not path.is_file():
+            continue
+        value = json.loads(path.read_text()).get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return tuple(ids)
+
+
 class HFRolloutEngine(RolloutEngine):
     """Rollouts with a ``transformers`` Qwen2ForCausalLM.
 
@@ -91,10 +110,16 @@ class HFRolloutEngine(RolloutEngine):
         shape: the model's shape, for the list of tensors a sync must deliver.
         tokenizer: optional, to return decoded text.
         pad_token_id: id used to pad prompts in a batch (masked out; any id works).
+        eos_token_ids: the model's own end-of-sequence ids (:func:`hf_eos_token_ids`): a
+            response stops on these as well as on the request's ``stop_token_ids``, as
+            in SGLang.
     """
 
-    def __init__(self, model, shape: Qwen2Shape, tokenizer=None, pad_token_id: int = 0) -> None:
+    def __init__(
+        self, model, shape: Qwen2Shape, tokenizer=None, pad_token_id: int = 0, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         self.model = model.eval()
+        self.eos_token_ids = tuple(eos_token_ids)
         self.shape = shape
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
@@ -115,7 +140,9 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError(f"the HF model has no parameters {unknown[:5]} that a Qwen2 of this shape needs")
 
     @classmethod
-    def from_model_config(cls, model_config, *, dtype=torch.float32, device="cpu", tokenizer=None) -> HFRolloutEngine:
+    def from_model_config(
+        cls, model_config, *, dtype=torch.float32, device="cpu", tokenizer=None, eos_token_ids: tuple[int, ...] = ()
+    ) -> HFRolloutEngine:
         """An engine for a resolved :class:`ModelConfig`, with random weights until the first sync."""
         from transformers import Qwen2ForCausalLM
 
@@ -127,7 +154,7 @@ class HFRolloutEngine(RolloutEngine):
             max_position_embeddings=model_config.max_position_embeddings,
         )
         model = Qwen2ForCausalLM(config).to(device=device, dtype=dtype)
-        return cls(model, shape, tokenizer=tokenizer)
+        return cls(model, shape, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
 
     @classmethod
     def from_pretrained(cls, hf_dir, *, dtype=torch.float32, device="cpu", tokenizer=None) -> HFRolloutEngine:
@@ -137,7 +164,8 @@ class HFRolloutEngine(RolloutEngine):
         from dapo_megatron.config import read_hf_model_shape
 
         model = Qwen2ForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device)
-        return cls(model, Qwen2Shape.from_model_config(read_hf_model_shape(hf_dir)), tokenizer=tokenizer)
+        shape = Qwen2Shape.from_model_config(read_hf_model_shape(hf_dir))
+        return cls(model, shape, tokenizer=tokenizer, eos_token_ids=hf_eos_token_ids(hf_dir))
 
     # ------------------------------------------------------------------ generation
 
@@ -157,7 +185,7 @@ class HFRolloutEngine(RolloutEngine):
             input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
             attention[i, width - len(prompt) :] = 1
         greedy = params.temperature == 0
-        stop = list(params.stop_token_ids)
+        stop = list(dict.fromkeys([*params.stop_token_ids, *self.eos_token_ids]))  # SGLang's stop set
         config = GenerationConfig(
             do_sample=not greedy,
             temperature=None if greedy else params.temperature,

@@ -3,28 +3,56 @@
 SGLang is imported only when an engine is built, so this module imports on any machine.
 Its CUDA kernels do not install on the CPU machines, so this wrapper is checked there by
 a contract test that parses the supported SGLang release's source (the wheel, unpacked,
-never imported) and verifies that every class, method and keyword argument used below
-exists with that name. :data:`SGLANG_API` lists them; the test also checks that the code
-calls nothing outside it.
+never imported): every class, method and keyword argument used below exists with that
+name, each call that answers ``(success, message)`` is checked here, and the session
+rule and the other behaviours below are read from that source
+(``tests/unit/test_sglang_contract.py``); a stand-in with the same rules runs the wrapper
+(``tests/unit/test_sglang_wrapper.py``).
 
-Weight updates, two ways:
+What SGLang 0.5.23 does, and what this wrapper does about it:
 
-- colocated (engine and actor share GPUs): each bucket goes through
-  ``Engine.update_weights_from_tensor``; the KV cache is flushed with the last bucket;
-- separate GPUs: the engine joins an NCCL group (``init_weights_update_group``) and
-  receives each bucket's tensors by broadcast (``update_weights_from_distributed``) while
-  the sender broadcasts them in the same order.
+- A weight update is a *session*: ``update_weights_from_tensor`` and
+  ``update_weights_from_distributed`` load only between ``begin_weight_update()`` and
+  ``end_weight_update()`` (``scheduler_components/weight_updater.py``); outside one they
+  answer ``(False, "... must run between ...")`` and load nothing. Every update here opens
+  the session first and closes it (also after a failure, so the next one can open).
+- Weight calls answer ``(success, message)`` instead of raising: each answer is checked
+  and a failure raises :class:`WeightSyncError` with SGLang's message.
+- ``release_memory_occupation()`` discards the weights unless the server keeps a CPU
+  backup (``enable_weights_cpu_backup``, off here: it would hold a second copy of the
+  model in host memory): after a release the engine refuses to generate until a complete
+  weight update has arrived (the trainer syncs after every resume).
+- ``sampling_seed`` is honoured only with ``enable_deterministic_inference`` (else the
+  sampler ignores it), and every row of a request with the same seed samples the same
+  tokens: each row gets its own seed (``seed + row``). SGLang's determinism covers one
+  engine configuration and batch schedule (its deterministic kernels); runs on other GPU
+  counts or SGLang releases differ.
+- A request aborted by the server finishes with reason ``abort``: reported as such, and
+  the trainer drops its group.
+- ``Engine(...)`` sets ``CUDA_DEVICE_MAX_CONNECTIONS`` and the ``spawn`` start method for
+  the whole process: engines are created only in their own worker processes
+  (:func:`mark_engine_process`), never in the driver or an actor rank. Each is given its
+  GPUs explicitly (``base_gpu_id``): several engines share a node.
 
-SGLang applies every call as it arrives, so unlike the transformers engine an update is
-not all-or-nothing across buckets: when a stream fails midway the engine reports itself
-unhealthy (``health()['ok'] is False``) until a complete update succeeds.
+Weight updates, two ways: colocated, each bucket goes through
+``update_weights_from_tensor`` (the KV cache is flushed with the last bucket); on separate
+GPUs the engine joins an NCCL group (``init_weights_update_group``) and receives each
+bucket by broadcast (``update_weights_from_distributed``) while the sender broadcasts the
+same tensors in the same order. SGLang applies every call as it arrives, so unlike the
+transformers engine an update is not all-or-nothing across buckets: when a stream fails
+midway the engine reports itself unhealthy (``health()['ok'] is False``) and refuses to
+generate until a complete update succeeds.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Iterable
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from dapo_megatron.rollout.engine import (
     Generation,
@@ -53,16 +81,99 @@ SGLANG_API: dict[str, dict[str, tuple[str, ...]]] = {
             "backend",
         ),
         "update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "flush_cache"),
+        "begin_weight_update": (),
+        "end_weight_update": (),
         "release_memory_occupation": ("tags",),
         "resume_memory_occupation": ("tags",),
         "get_server_info": (),
         "shutdown": (),
     },
 }
+# The Engine methods that answer (success, message); the wrapper checks every answer.
+SGLANG_CHECKED_CALLS = (
+    "init_weights_update_group",
+    "begin_weight_update",
+    "end_weight_update",
+    "update_weights_from_tensor",
+    "update_weights_from_distributed",
+)
 # Engine(**kwargs) goes to ServerArgs; these are the fields passed.
-SGLANG_SERVER_ARGS = ("model_path", "tp_size", "mem_fraction_static", "random_seed", "enable_memory_saver", "dtype")
+SGLANG_SERVER_ARGS = (
+    "model_path",
+    "tp_size",
+    "base_gpu_id",
+    "mem_fraction_static",
+    "random_seed",
+    "enable_memory_saver",
+    "enable_deterministic_inference",
+    "dtype",
+)
 # Keys of SGLang's per-request sampling_params dict used below.
 SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed")
+
+
+ENGINE_PROCESS_ENV = "DAPO_MEGATRON_ENGINE_PROCESS"
+"""Set (to the process id) by :func:`mark_engine_process` in a rollout engine's own worker."""
+
+
+def mark_engine_process() -> None:
+    """Declare this process a rollout engine's own (the engine worker calls it first)."""
+    os.environ[ENGINE_PROCESS_ENV] = str(os.getpid())
+
+
+def check_engine_process() -> None:
+    """Refuse to create an SGLang engine outside an engine worker's process: its
+    constructor changes process-wide settings (``CUDA_DEVICE_MAX_CONNECTIONS``, the
+    ``spawn`` start method) that the driver and the actor's ranks must not get."""
+    if os.environ.get(ENGINE_PROCESS_ENV) != str(os.getpid()):
+        raise RuntimeError(
+            "an SGLang engine may only be created in a rollout engine's own process (EngineWorker, which calls "
+            "mark_engine_process()): sglang.Engine sets CUDA_DEVICE_MAX_CONNECTIONS and the spawn start method "
+            "for the whole process, which would change the driver's or an actor rank's CUDA and multiprocessing "
+            "behaviour"
+        )
+
+
+def checked(call: str, answer: Any) -> str:
+    """SGLang's ``(success, message)`` answer to ``call``: the message, or
+    :class:`WeightSyncError` with it when the call failed (or answered something else)."""
+    if not (isinstance(answer, (tuple, list)) and len(answer) >= 2 and isinstance(answer[0], bool)):
+        raise WeightSyncError(
+            f"SGLang's {call} answered {answer!r}, not (success, message): this wrapper is written against "
+            f"sglang=={SUPPORTED_SGLANG}; install that release"
+        )
+    success, message = answer[0], answer[1]
+    if not success:
+        raise WeightSyncError(f"SGLang's {call} failed: {message}")
+    return str(message)
+
+
+def row_sampling_params(params: SamplingParams, rows: int) -> list[dict]:
+    """SGLang's per-request sampling dicts for ``rows`` rows: each row its own seed
+    (``params.seed + row``; one shared seed would give every copy of a prompt the same
+    response under deterministic inference)."""
+    base = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_new_tokens": params.max_new_tokens,
+        "stop_token_ids": list(params.stop_token_ids),
+    }
+    if params.seed is None:
+        return [dict(base) for _ in range(rows)]
+    return [{**base, "sampling_seed": params.seed + row} for row in range(rows)]
+
+
+def finish_reason_of(meta: dict) -> str:
+    """``stop``, ``length`` or ``abort`` from SGLang's ``meta_info['finish_reason']``."""
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else None
+    if kind in ("length", "abort"):
+        return kind
+    if kind is None:
+        # SGLang leaves it unset only for requests that did not finish: treat as aborted.
+        return "abort"
+    return "stop"  # matched a stop token or string
 
 
 class SGLangRolloutEngine(RolloutEngine):
@@ -71,10 +182,13 @@ class SGLangRolloutEngine(RolloutEngine):
     Args:
         model_path: HF checkpoint folder to start from (weights are replaced by syncs).
         tp_size: tensor-parallel size of this engine.
+        base_gpu_id: the first of this engine's ``tp_size`` GPUs, among the devices its
+            process sees (engines sharing a node get different ones).
         mem_fraction_static: fraction of GPU memory for weights and KV cache.
         seed: SGLang's random seed.
         dtype: weight dtype (``bfloat16`` for the published recipe).
         enable_memory_saver: needed for release/resume when colocated with the actor.
+        deterministic: SGLang's deterministic inference (honours per-row seeds; slower).
     """
 
     def __init__(
@@ -82,11 +196,14 @@ class SGLangRolloutEngine(RolloutEngine):
         model_path: str,
         *,
         tp_size: int = 1,
+        base_gpu_id: int = 0,
         mem_fraction_static: float = 0.85,
         seed: int = 1234,
         dtype: str = "bfloat16",
         enable_memory_saver: bool = True,
+        deterministic: bool = False,
     ) -> None:
+        check_engine_process()
         try:
             import sglang
         except ImportError as exc:
@@ -97,38 +214,46 @@ class SGLangRolloutEngine(RolloutEngine):
         self._engine = sglang.Engine(
             model_path=model_path,
             tp_size=tp_size,
+            base_gpu_id=base_gpu_id,
             mem_fraction_static=mem_fraction_static,
             random_seed=seed,
             enable_memory_saver=enable_memory_saver,
+            enable_deterministic_inference=deterministic,
             dtype=dtype,
         )
         self.released = False
         self.consistent = True
+        # Set by a release (SGLang drops the weights) until a complete update arrives.
+        self.needs_full_update = False
         self.weight_version = 0
         self.last_sync: Optional[SyncStats] = None
-        self._session = {"start": 0.0, "bytes": 0, "tensors": 0, "buckets": 0}
+        self._session: Optional[dict] = None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Generation]:
         if not prompts or n < 1:
             raise ValueError(f"need at least one prompt and n >= 1 (got {len(prompts)} prompts, n={n})")
+        self._check_servable()
         rows = [prompt for prompt in prompts for _ in range(n)]
-        sampling = {
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "max_new_tokens": params.max_new_tokens,
-            "stop_token_ids": list(params.stop_token_ids),
-        }
-        if params.seed is not None:
-            sampling["sampling_seed"] = params.seed
-        outputs = self._engine.generate(input_ids=rows, sampling_params=sampling, return_logprob=True)
+        outputs = self._engine.generate(
+            input_ids=rows, sampling_params=row_sampling_params(params, len(rows)), return_logprob=True
+        )
         results = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
             log_probs = [entry[0] for entry in meta["output_token_logprobs"]]
-            reason = "length" if meta["finish_reason"]["type"] == "length" else "stop"
-            results.append(Generation(i // n, list(out["output_ids"]), log_probs, reason, out.get("text")))
+            results.append(
+                Generation(i // n, list(out["output_ids"]), log_probs, finish_reason_of(meta), out.get("text"))
+            )
         return results
+
+    def _check_servable(self) -> None:
+        if self.released:
+            raise RuntimeError("generate() while the engine's memory is released; call resume_memory() first")
+        if self.needs_full_update or not self.consistent:
+            raise RuntimeError(
+                "this SGLang engine holds no complete weights (released without a CPU backup, or an update "
+                "failed midway): sync the actor's weights into it before generating"
+            )
 
     def update_weights(self, buckets: Iterable[WeightBucket]) -> SyncStats:
         self.begin_weight_update()
@@ -137,26 +262,52 @@ class SGLangRolloutEngine(RolloutEngine):
                 self.load_weight_bucket(bucket, last)
         except Exception as exc:
             self.abort_weight_update()
+            if isinstance(exc, WeightSyncError):
+                raise
             raise WeightSyncError(
-                f"SGLang weight update failed after {self._session['tensors']} tensors ({type(exc).__name__}: "
-                f"{exc}); the engine's weights are now mixed and it reports unhealthy until a complete update "
-                "succeeds"
+                f"SGLang weight update failed after {self._session_count('tensors')} tensors "
+                f"({type(exc).__name__}: {exc}); the engine's weights are now mixed and it refuses to generate "
+                "until a complete update succeeds"
             ) from exc
         return self.end_weight_update()
 
+    def _session_count(self, key: str) -> int:
+        return self._session[key] if self._session is not None else 0
+
     def begin_weight_update(self) -> None:
+        if self._session is not None:
+            raise WeightSyncError("a weight update is already open on this SGLang engine; end or abort it first")
+        checked("begin_weight_update", self._engine.begin_weight_update())
         self.consistent = False
         self._session = {"start": time.perf_counter(), "bytes": 0, "tensors": 0, "buckets": 0}
 
+    def _require_session(self, what: str) -> dict:
+        if self._session is None:
+            raise WeightSyncError(f"{what} outside a weight update (begin_weight_update() first)")
+        return self._session
+
     def load_weight_bucket(self, bucket: WeightBucket, last: bool) -> None:
-        self._engine.update_weights_from_tensor(named_tensors=bucket.tensors, load_format=None, flush_cache=last)
-        self._session["buckets"] += 1
-        self._session["tensors"] += len(bucket.tensors)
-        self._session["bytes"] += bucket.num_bytes
+        session = self._require_session("a weight bucket arrived")
+        if bucket.offsets:
+            raise WeightSyncError("the SGLang engine takes whole HF tensors, not pieces (accepts_pieces is False)")
+        checked(
+            "update_weights_from_tensor",
+            self._engine.update_weights_from_tensor(named_tensors=bucket.tensors, load_format=None, flush_cache=last),
+        )
+        self._count(session, len(bucket.tensors), bucket.num_bytes)
+
+    @staticmethod
+    def _count(session: dict, tensors: int, num_bytes: int) -> None:
+        session["buckets"] += 1
+        session["tensors"] += tensors
+        session["bytes"] += num_bytes
 
     def end_weight_update(self) -> SyncStats:
-        session = self._session
+        session = self._require_session("end_weight_update")
+        self._session = None
+        checked("end_weight_update", self._engine.end_weight_update())
         self.consistent = True
+        self.needs_full_update = False
         self.weight_version += 1
         self.last_sync = SyncStats(
             time.perf_counter() - session["start"], session["bytes"], session["tensors"], session["buckets"]
@@ -164,33 +315,54 @@ class SGLangRolloutEngine(RolloutEngine):
         return self.last_sync
 
     def abort_weight_update(self) -> None:
-        # SGLang applied what arrived: the weights stay mixed (consistent stays False).
-        pass
+        """Close SGLang's session (so the next update can open one); what arrived stays
+        loaded, so the weights are mixed: ``consistent`` stays False."""
+        if self._session is None:
+            return
+        self._session = None
+        try:
+            self._engine.end_weight_update()
+        except Exception:  # already failing; the engine stays marked inconsistent
+            pass
+        self.consistent = False
 
     def join_weight_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
     ) -> None:
         """Join the NCCL group a trainer-side sender broadcasts weights over (separate GPUs)."""
-        self._engine.init_weights_update_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend="nccl",
+        checked(
+            "init_weights_update_group",
+            self._engine.init_weights_update_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend="nccl",
+            ),
         )
 
     def receive_broadcast_bucket(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, last: bool
     ) -> None:
-        """Receive one bucket's tensors by NCCL broadcast; flush the cache after the last."""
-        self._engine.update_weights_from_distributed(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=last
+        """Receive one bucket's tensors by NCCL broadcast, inside the open update; flush
+        the cache after the last."""
+        session = self._require_session("a broadcast bucket was announced")
+        checked(
+            "update_weights_from_distributed",
+            self._engine.update_weights_from_distributed(
+                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=last
+            ),
         )
+        num_bytes = sum(math.prod(shape) * getattr(torch, dtype).itemsize for dtype, shape in zip(dtypes, shapes))
+        self._count(session, len(names), num_bytes)
 
     def release_memory(self) -> None:
+        """Free the GPU memory (SGLang answers nothing here in 0.5.23). The weights are
+        gone afterwards: the next generation needs a complete update first."""
         self._engine.release_memory_occupation(tags=None)
         self.released = True
+        self.needs_full_update = True
 
     def resume_memory(self) -> None:
         self._engine.resume_memory_occupation(tags=None)
@@ -203,10 +375,11 @@ class SGLangRolloutEngine(RolloutEngine):
         except Exception:  # an engine that cannot answer is unhealthy, not a crash
             info, reachable = {}, False
         return {
-            "ok": reachable and self.consistent and not self.released,
+            "ok": reachable and self.consistent and not self.released and not self.needs_full_update,
             "engine": "sglang",
             "released": self.released,
             "weights_consistent": self.consistent,
+            "needs_full_update": self.needs_full_update,
             "weight_version": self.weight_version,
             "version": info.get("version"),
         }

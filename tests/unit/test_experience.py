@@ -58,3 +58,14 @@ def test_validation_avg_and_pass_at_k_per_source():
     assert metrics["val/src/num_problems"] == 2 and metrics["val/other/num_problems"] == 2
     src = [c for s, c in zip(samples, correct) if s.prompt.data_source == "src"]
     assert metrics["val/src/accuracy"] == sum(src) / 8
+
+
+def test_groups_with_an_aborted_response_are_dropped_whole():
+    from dapo_megatron.experience import drop_aborted_groups
+
+    samples = _samples(num_prompts=3, n=4)
+    samples[5].finish_reason = "abort"  # group (0, 1)
+    kept, aborted = drop_aborted_groups(samples)
+    assert aborted == 1
+    assert [s.group_id for s in kept] == [(0, 0)] * 4 + [(0, 2)] * 4
+    assert drop_aborted_groups(_samples(num_prompts=2)) == (_samples(num_prompts=2), 0)

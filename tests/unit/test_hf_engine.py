@@ -189,3 +189,25 @@ def test_pieces_assemble_the_model_and_bad_pieces_keep_the_previous_weights():
         assert all(torch.equal(engine.state_dict()[k], v) for k, v in before.items())
     engine.update_weights([first, second])
     assert all(torch.equal(engine.state_dict()[k], v) for k, v in other.state_dict().items())
+
+
+def test_stops_on_the_models_eos_as_well_as_the_requests_stop_ids(tmp_path):
+    """SGLang stops on stop_token_ids and the model's EOS ids: so does this engine. The
+    token a greedy model emits first becomes its EOS: responses end there."""
+    import json
+
+    from dapo_megatron.rollout.hf_engine import hf_eos_token_ids
+
+    torch.manual_seed(0)
+    free = HFRolloutEngine.from_model_config(tiny_model())
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    first = free.generate([[5, 6, 7]], greedy)[0]
+    assert first.finish_reason == "length" and len(first.token_ids) == 6
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [first.token_ids[0], 999]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 998}))
+    assert hf_eos_token_ids(tmp_path) == (first.token_ids[0], 999, 998)
+    torch.manual_seed(0)
+    stopping = HFRolloutEngine.from_model_config(tiny_model(), eos_token_ids=hf_eos_token_ids(tmp_path))
+    out = stopping.generate([[5, 6, 7]], greedy)[0]
+    assert (out.token_ids, out.finish_reason) == (first.token_ids[:1], "stop")
+    assert out.log_probs == pytest.approx(first.log_probs[:1])

@@ -2,7 +2,13 @@
 
 SGLang's CUDA kernels do not install on these machines, so the wheel (downloaded by
 ``make test``) is read as a zip and parsed with ``ast``: every class, method, keyword
-argument, server argument and sampling key the wrapper uses must exist there by name.
+argument, server argument and sampling key the wrapper uses must exist there by name;
+and beyond names, what the calls answer and what state they need: which answer
+``(success, message)`` (the wrapper checks each), which answer nothing, that weight
+updates load only inside a begin/end session, that a release keeps no weights without a
+CPU backup, that per-request seeds are honoured only with deterministic inference, which
+finish reasons and stop tokens SGLang produces. ``test_sglang_wrapper.py`` runs the
+wrapper against a stand-in that follows these rules.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import pytest
 from dapo_megatron.rollout import sglang_engine
 from dapo_megatron.rollout.sglang_engine import (
     SGLANG_API,
+    SGLANG_CHECKED_CALLS,
     SGLANG_SAMPLING_KEYS,
     SGLANG_SERVER_ARGS,
     SUPPORTED_SGLANG,
@@ -109,10 +116,10 @@ def test_wrapper_uses_nothing_outside_the_declared_api():
                 engine_calls.append((node.func.attr, {k.arg for k in node.keywords}))
             if isinstance(owner, ast.Name) and owner.id == "sglang" and node.func.attr == "Engine":
                 constructor_keywords |= {k.arg for k in node.keywords}
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "sampling" for t in node.targets):
-            sampling_keys |= {k.value for k in node.value.keys}
-        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "sampling":
-            sampling_keys.add(node.slice.value)
+        if isinstance(node, ast.FunctionDef) and node.name == "row_sampling_params":
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Dict):
+                    sampling_keys |= {k.value for k in inner.keys if isinstance(k, ast.Constant)}
     assert len(engine_calls) >= 8 and constructor_keywords and sampling_keys
     for method, keywords in engine_calls:
         assert method in declared, f"wrapper calls Engine.{method}, not declared in SGLANG_API"
@@ -123,7 +130,8 @@ def test_wrapper_uses_nothing_outside_the_declared_api():
     assert sampling_keys <= set(SGLANG_SAMPLING_KEYS)
 
 
-def test_module_imports_without_sglang_and_says_what_to_do():
+def test_module_imports_without_sglang_and_says_what_to_do(monkeypatch):
+    monkeypatch.setenv(sglang_engine.ENGINE_PROCESS_ENV, str(os.getpid()))
     try:
         import sglang  # noqa: F401
     except ImportError:
@@ -151,3 +159,120 @@ def test_broadcast_protocol_matches_sglangs_receiver():
 
     names, dtypes, shapes = bucket_metadata(WeightBucket([("a", torch.zeros(2, 3, dtype=torch.bfloat16))]))
     assert (names, dtypes, shapes) == (["a"], ["bfloat16"], [[2, 3]]) and getattr(torch, dtypes[0]) is torch.bfloat16
+
+
+def _functions(path: str) -> dict[str, ast.AST]:
+    return {n.name: n for n in ast.walk(parse(path)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+TOKENIZER_CONTROL = "sglang/srt/managers/tokenizer_control_mixin.py"
+WEIGHT_UPDATER = "sglang/srt/managers/scheduler_components/weight_updater.py"
+
+
+def test_checked_calls_answer_success_and_message_and_the_rest_answer_nothing():
+    """Engine.<call> returns the tokenizer manager's answer: (success, message) for the
+    weight calls, nothing for release/resume (so there is nothing to check there)."""
+    engine = _functions("sglang/srt/entrypoints/engine.py")
+    control = _functions(TOKENIZER_CONTROL)
+    for call in SGLANG_CHECKED_CALLS:
+        assert ast.unparse(control[call].returns) == "Tuple[bool, str]", call
+        returned = [ast.unparse(r.value) for r in ast.walk(engine[call]) if isinstance(r, ast.Return) and r.value]
+        assert any(f"self.tokenizer_manager.{call}(" in r for r in returned), (call, returned)
+    for call in ("release_memory_occupation", "resume_memory_occupation"):
+        assert control[call].returns is None
+        assert not [r for r in ast.walk(control[call]) if isinstance(r, ast.Return) and r.value is not None], call
+    unchecked = set(SGLANG_API["sglang.srt.entrypoints.engine:Engine"]) - set(SGLANG_CHECKED_CALLS)
+    assert unchecked == {
+        "generate",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+        "get_server_info",
+        "shutdown",
+    }
+
+
+def test_wrapper_checks_every_answer():
+    """Each call of a (success, message) method is checked with its own name, except the
+    best-effort close inside abort_weight_update (already failing)."""
+    tree = ast.parse(Path(sglang_engine.__file__).read_text())
+    checked_args = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "checked":
+            name, answer = node.args
+            assert isinstance(answer, ast.Call) and answer.func.attr == name.value, ast.unparse(node)
+            checked_args.add(id(answer))
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    seen = set()
+    for function in functions:
+        for node in ast.walk(function):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr == "_engine"
+                and node.func.attr in SGLANG_CHECKED_CALLS
+            ):
+                seen.add(node.func.attr)
+                assert id(node) in checked_args or function.name == "abort_weight_update", (
+                    f"{function.name}: the answer of Engine.{node.func.attr} is not checked"
+                )
+    assert seen == set(SGLANG_CHECKED_CALLS)
+
+
+def test_weight_updates_load_only_inside_a_session():
+    """The scheduler answers (False, ...) to an update outside begin/end, and refuses to
+    open a second session or close none: the rules the stand-in follows."""
+    updater = _functions(WEIGHT_UPDATER)
+    for call in ("update_weights_from_tensor", "update_weights_from_distributed"):
+        text = ast.unparse(updater[call])
+        assert "if self._session is None" in text and "success=False" in text, call
+        assert "must run between begin_weight_update() and end_weight_update()" in text.replace("' '", ""), call
+    assert "a weight-update session is already open" in ast.unparse(updater["begin_weight_update"])
+    assert "no weight-update session is open" in ast.unparse(updater["end_weight_update"])
+
+
+def test_release_discards_weights_without_a_cpu_backup():
+    """Releasing the weights pauses their memory; only enable_weights_cpu_backup (off by
+    default, not passed by the wrapper) keeps a copy: the wrapper asks for a full update
+    afterwards (its behaviour: test_sglang_wrapper.py)."""
+    release = ast.unparse(_functions(WEIGHT_UPDATER)["release_memory_occupation"])
+    assert "self.memory_saver_adapter.pause(GPU_MEMORY_TYPE_WEIGHTS)" in release
+    exec_fields = parse("sglang/srt/arg_groups/fields/exec_.py")
+    backup = next(
+        n
+        for n in ast.walk(exec_fields)
+        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "enable_weights_cpu_backup"
+    )
+    assert ast.literal_eval(backup.value) is False
+    assert "enable_weights_cpu_backup" not in SGLANG_SERVER_ARGS
+
+
+def test_sampling_seed_only_with_deterministic_inference():
+    info = wheel().read("sglang/srt/sampling/sampling_batch_info.py").decode()
+    seed_block = info[info.index("sampling_seed = (") : info.index("sampling_seed = (") + 600]
+    assert "if enable_deterministic" in seed_block and "else 42" in seed_block
+    assert "enable_deterministic_inference" in SGLANG_SERVER_ARGS
+
+
+def test_finish_reasons_and_stop_tokens():
+    """SGLang reports abort as its own type, and stops on the request's stop_token_ids
+    and on the model's EOS ids (the transformers engine stops on the same union)."""
+    batch = _functions("sglang/srt/managers/schedule_batch.py")
+    assert '"type": "abort"' in ast.unparse(batch["to_json"]) or "'type': 'abort'" in wheel().read(
+        "sglang/srt/managers/schedule_batch.py"
+    ).decode().replace('"', "'")
+    finish = ast.unparse(batch["_check_token_based_finish"])
+    assert "self.sampling_params.stop_token_ids" in finish and "self.eos_token_ids" in finish
+
+
+def test_engine_changes_process_wide_settings():
+    """Why engines are built only in their own processes."""
+    source = wheel().read("sglang/srt/entrypoints/engine.py").decode()
+    assert 'os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"' in source
+    device_fields = parse("sglang/srt/arg_groups/fields/device.py")
+    base = next(
+        n
+        for n in ast.walk(device_fields)
+        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "base_gpu_id"
+    )
+    assert ast.literal_eval(base.value) == 0  # every engine would take GPU 0 onwards unless told

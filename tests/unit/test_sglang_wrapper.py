@@ -1,0 +1,201 @@
+"""The SGLang wrapper's behaviour, run against a stand-in for SGLang 0.5.23's ``Engine``.
+
+The stand-in follows the rules ``test_sglang_contract.py`` reads from the release's
+source: weight updates load only inside a begin/end session and answer ``(False,
+message)`` outside one; begin refuses an open session and end a missing one; a failed
+load answers ``(False, message)``; release discards the weights (no CPU backup); each
+request row's ``sampling_seed`` is what it samples with; a finish reason is a dict with a
+``type``. What these tests show: every weight actually reaches the engine inside a
+session, every failure raises with SGLang's message, a released or half-updated engine
+refuses to generate until a complete update, seeds differ per row, aborted rows are
+reported as such, and an engine is only built in an engine process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+from dapo_megatron.rollout import sglang_engine
+from dapo_megatron.rollout.engine import SamplingParams, WeightBucket, WeightSyncError
+from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine, row_sampling_params
+
+
+class StandInEngine:
+    """SGLang 0.5.23's Engine as far as the wrapper uses it (see the module docstring)."""
+
+    def __init__(self, **server_args) -> None:
+        self.server_args = server_args
+        self.session = False
+        self.weights: dict[str, torch.Tensor] = {"w": torch.zeros(2)}
+        self.requests: list = []
+        self.fail_on: set[str] = set()
+        self.finish = {"type": "stop", "matched": 1}
+        self.group = None
+        self.received: list = []
+
+    def begin_weight_update(self):
+        if self.session:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        if not self.session:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session = False
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        if not self.session:
+            return (
+                False,
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            )
+        for name, tensor in named_tensors:
+            if name in self.fail_on:
+                return False, f"Failed to update weights: unknown parameter {name}"
+            self.weights[name] = tensor.clone()
+        return True, "Success"
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
+        self.group = (master_address, master_port, rank_offset, world_size, group_name, backend)
+        return True, "Succeeded to initialize custom process group."
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, flush_cache=True):
+        if not self.session:
+            return (
+                False,
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+            )
+        if self.group is None or self.group[4] != group_name:
+            return False, f"Failed to receive weights: no group {group_name}"
+        self.received.append((names, flush_cache))
+        return True, "Succeeded to update parameter online."
+
+    def release_memory_occupation(self, tags=None):
+        self.weights = {}  # memory saver pauses the weights; no CPU backup
+
+    def resume_memory_occupation(self, tags=None):
+        pass  # the memory comes back, not its contents
+
+    def generate(self, input_ids, sampling_params, return_logprob):
+        self.requests.append(sampling_params)
+        return [
+            {
+                "output_ids": [3, 1],
+                "meta_info": {"output_token_logprobs": [(-0.5, 3), (-0.1, 1)], "finish_reason": self.finish},
+            }
+            for _ in input_ids
+        ]
+
+    def get_server_info(self):
+        return {"version": "0.5.23"}
+
+    def shutdown(self):
+        pass
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=StandInEngine))
+    monkeypatch.setenv(sglang_engine.ENGINE_PROCESS_ENV, str(os.getpid()))
+    return SGLangRolloutEngine("/model", tp_size=2, base_gpu_id=4)
+
+
+def buckets(*names):
+    return [WeightBucket([(name, torch.full((2,), float(i)))]) for i, name in enumerate(names)]
+
+
+def test_an_update_arrives_inside_a_session(engine):
+    assert engine._engine.server_args["base_gpu_id"] == 4 and engine._engine.server_args["tp_size"] == 2
+    stats = engine.update_weights(buckets("a", "b"))
+    assert not engine._engine.session  # closed again
+    assert torch.equal(engine._engine.weights["b"], torch.full((2,), 1.0))
+    assert (stats.num_tensors, stats.num_buckets, stats.num_bytes) == (2, 2, 16)
+    assert engine.health()["ok"] and engine.weight_version == 1
+
+
+def test_buckets_outside_an_update_are_refused(engine):
+    with pytest.raises(WeightSyncError, match="outside a weight update"):
+        engine.load_weight_bucket(buckets("a")[0], True)
+    with pytest.raises(WeightSyncError, match="outside a weight update"):
+        engine.receive_broadcast_bucket(["a"], ["float32"], [[2]], "g", True)
+
+
+def test_a_broadcast_update_runs_inside_a_session(engine):
+    engine.join_weight_update_group("10.0.0.1", 29500, 1, 3, "g")
+    assert engine._engine.group == ("10.0.0.1", 29500, 1, 3, "g", "nccl")
+    engine.begin_weight_update()
+    engine.receive_broadcast_bucket(["a", "b"], ["bfloat16", "float32"], [[2, 3], [4]], "g", True)
+    stats = engine.end_weight_update()
+    assert engine._engine.received == [(["a", "b"], True)]
+    assert (stats.num_tensors, stats.num_bytes) == (2, 2 * 6 + 4 * 4) and not engine._engine.session
+    engine._engine.group = None
+    with pytest.raises(WeightSyncError, match="no group g"):
+        engine.update_weights(buckets())  # nothing to send, but the session rules hold
+        engine.begin_weight_update()
+        engine.receive_broadcast_bucket(["a"], ["float32"], [[2]], "g", True)
+
+
+def test_a_failed_load_raises_closes_the_session_and_blocks_generation(engine):
+    engine._engine.fail_on = {"b"}
+    with pytest.raises(WeightSyncError, match="unknown parameter b"):
+        engine.update_weights(buckets("a", "b"))
+    assert not engine._engine.session  # the next update can open one
+    assert not engine.health()["ok"]
+    with pytest.raises(RuntimeError, match="no complete weights"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    engine._engine.fail_on = set()
+    engine.update_weights(buckets("a", "b"))
+    assert engine.health()["ok"] and len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))) == 1
+
+
+def test_a_second_open_session_is_refused(engine):
+    engine.begin_weight_update()
+    with pytest.raises(WeightSyncError, match="already open"):
+        engine.begin_weight_update()
+
+
+def test_release_needs_a_full_update_before_generating(engine):
+    engine.update_weights(buckets("w"))
+    engine.release_memory()
+    engine.resume_memory()
+    assert engine._engine.weights == {}  # what SGLang keeps: nothing
+    assert engine.health()["needs_full_update"] and not engine.health()["ok"]
+    with pytest.raises(RuntimeError, match="sync the actor's weights"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=2))
+    engine.update_weights(buckets("w"))
+    assert engine.health()["ok"]
+    engine.generate([[1]], SamplingParams(max_new_tokens=2))
+
+
+def test_every_row_samples_with_its_own_seed(engine):
+    engine.update_weights(buckets("w"))
+    engine.generate([[1], [2]], SamplingParams(max_new_tokens=2, seed=100), n=3)
+    seeds = [row["sampling_seed"] for row in engine._engine.requests[-1]]
+    assert seeds == [100, 101, 102, 103, 104, 105]
+    assert all("sampling_seed" not in row for row in row_sampling_params(SamplingParams(), 2))
+
+
+def test_abort_is_reported_as_abort(engine):
+    engine.update_weights(buckets("w"))
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=2))[0].finish_reason == "stop"
+    engine._engine.finish = {"type": "abort", "message": "Aborted"}
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=2))[0].finish_reason == "abort"
+    engine._engine.finish = {"type": "length", "length": 2}
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
+
+
+def test_an_engine_is_built_only_in_an_engine_process(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=StandInEngine))
+    monkeypatch.delenv(sglang_engine.ENGINE_PROCESS_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="only be created in a rollout engine's own process"):
+        SGLangRolloutEngine("/model")
+    monkeypatch.setenv(sglang_engine.ENGINE_PROCESS_ENV, str(os.getpid() + 1))  # inherited by a child: not it
+    with pytest.raises(RuntimeError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        SGLangRolloutEngine("/model")
