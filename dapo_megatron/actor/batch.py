@@ -130,6 +130,20 @@ class PolicyBatch:
         return [self.select(list(range(i * size, (i + 1) * size))) for i in range(num_parts)]
 
 
+FP8_TOKEN_MULTIPLE = 16
+"""Transformer Engine's fp8 GEMMs need the token count divisible by 8; 16 is what its
+own padding helpers use."""
+
+
+def sequence_pad_multiple(tp_size: int, sequence_parallel: bool, fp8: bool) -> int:
+    """What every micro-batch's width is rounded up to: the tensor-parallel size with
+    sequence parallelism (the sequence is split over the TP ranks); with fp8,
+    ``16 x tp`` so that each rank's share of every row is a multiple of 16 tokens."""
+    if fp8:
+        return FP8_TOKEN_MULTIPLE * tp_size
+    return tp_size if sequence_parallel else 1
+
+
 def plan_micro_batches(seq_lengths: list[int], max_tokens: int, pad_multiple: int = 1) -> list[list[int]]:
     """Group row indices into micro-batches whose padded size fits ``max_tokens``.
 

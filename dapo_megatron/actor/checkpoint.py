@@ -75,14 +75,27 @@ def _sharded_state_dict(actor, is_loading: bool) -> dict:
     }
 
 
+def _torch_adams(optimizer) -> list:
+    """The chained optimizers whose inner optimizer is torch's own Adam/AdamW (the CPU
+    runtime's, without Apex/TE). The three workarounds below are for its per-parameter
+    ``step`` and apply to it only: Transformer Engine's FusedAdam keeps the step in the
+    param group, and a per-parameter ``step`` put into its state makes its
+    ``state_dict`` raise ``KeyError('step')``."""
+    return [
+        chained
+        for chained in getattr(optimizer, "chained_optimizers", [optimizer])
+        if type(chained.optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    ]
+
+
 def _materialize_optimizer_state(optimizer) -> None:
-    """Give a never-stepped Adam zero moments and step 0, in place.
+    """Give a never-stepped torch Adam zero moments and step 0, in place.
 
     Loading a dist checkpoint fills existing optimizer state in place, and megatron's
     distributed optimizer (with torch's Adam, no Apex/TE) reads the step from that state;
     a freshly built optimizer has none yet. Nothing here touches a parameter.
     """
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for chained in _torch_adams(optimizer):
         inner = chained.optimizer
         for group in inner.param_groups:
             for param in group["params"]:
@@ -104,7 +117,7 @@ def _torch_adam_step_passthrough(optimizer):
     current (already restored) step is handed back to that copy, which makes it a no-op.
     """
     patched = []
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for chained in _torch_adams(optimizer):
         original = getattr(chained, "_set_main_param_and_optimizer_states", None)
         if original is None or chained.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             continue
@@ -134,7 +147,7 @@ def _unshare_adam_steps(optimizer) -> None:
     shared one advances once per parameter per update and the bias correction after a
     resume is wrong. (Apex/TE FusedAdam keeps the step in the param group: not affected.)
     """
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for chained in _torch_adams(optimizer):
         for state in chained.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()

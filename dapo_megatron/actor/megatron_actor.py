@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.actor.batch import PolicyBatch, plan_micro_batches
+from dapo_megatron.actor.batch import PolicyBatch, plan_micro_batches, sequence_pad_multiple
 from dapo_megatron.actor.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from dapo_megatron.algo.loss import dapo_policy_loss
 from dapo_megatron.config import AlgorithmConfig, ModelConfig, ParallelConfig, TrainerConfig, padded_vocab_size
@@ -148,7 +148,7 @@ class MegatronActor:
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         padded = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, parallel.tp_size)
         self.vocab_start = runtime.tp_rank * (padded // parallel.tp_size)
-        self.pad_multiple = parallel.tp_size if parallel.sequence_parallel else 1
+        self.pad_multiple = sequence_pad_multiple(parallel.tp_size, parallel.sequence_parallel, model.fp8)
         # Reused by weight sync for the q/k/v it rearranges into HF layout on every sync.
         self.hf_export_buffers: dict[str, torch.Tensor] = {}
 

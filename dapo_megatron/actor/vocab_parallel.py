@@ -43,12 +43,21 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> None:
 def _chunk_logits(
     hidden: torch.Tensor, weight: torch.Tensor, inv_temperature: float, out: torch.Tensor
 ) -> torch.Tensor:
-    """fp32 logits of one chunk on this shard's real (unpadded) vocabulary rows, into ``out``. [c, v]"""
+    """fp32 logits of one chunk on this shard's real (unpadded) vocabulary rows, into ``out``. [c, v]
+
+    With bf16 weights the GEMM's result is fp32 (its fp32 accumulator kept), not a bf16
+    result cast afterwards: rounding logits of magnitude 20 to bf16 moves them by up to
+    0.06, which the log-prob inherits and the engine's (fp32-logit) sampler does not. On
+    CUDA one GEMM with an fp32 output (``out_dtype``); on the CPU (tests), the inputs are
+    cast to fp32, which gives the same products exactly.
+    """
     out = out[: hidden.shape[0]]
     if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
         torch.matmul(hidden, weight.t(), out=out)
+    elif hidden.is_cuda:
+        torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=out)
     else:
-        out.copy_(torch.matmul(hidden, weight.t()))
+        torch.matmul(hidden.float(), weight.float().t(), out=out)
     if inv_temperature != 1.0:
         out.mul_(inv_temperature)
     return out

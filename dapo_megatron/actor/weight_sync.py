@@ -167,7 +167,10 @@ def _send_bucket(bucket: Optional[WeightBucket], dst: int) -> None:
         dist.send(flat, dst=dst)
 
 
-def _recv_buckets(src: int) -> Iterator[WeightBucket]:
+def recv_buckets(src: int, device: torch.device) -> Iterator[WeightBucket]:
+    """The buckets ``src`` sends with :func:`_send_bucket`, received into buffers on
+    ``device``: the one the default group's backend serves (NCCL moves only CUDA
+    tensors; a CPU buffer there raises), i.e. the runtime's device."""
     while True:
         holder = [None]
         dist.recv_object_list(holder, src=src)
@@ -175,7 +178,7 @@ def _recv_buckets(src: int) -> Iterator[WeightBucket]:
         if meta is None:
             return
         total = sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in meta)
-        flat = torch.empty(total, dtype=torch.uint8)
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
         dist.recv(flat, src=src)
         bucket, offset = WeightBucket(), 0
         for name, shape, dtype in meta:
@@ -259,7 +262,7 @@ def sync_weights(
             # Stages in model order: earlier stages' buckets come first on every feeder,
             # which is what keeps the sends of all stage leaders free of cycles.
             for leader in leaders:
-                yield from own_buckets() if leader == rank else _recv_buckets(leader)
+                yield from own_buckets() if leader == rank else recv_buckets(leader, actor.runtime.device)
 
         buckets = stream()
         try:

@@ -101,3 +101,18 @@ def test_target_ids_outside_the_vocabulary_are_refused():
     batch.tokens[0, 0] = 10_000
     batch.tokens[1, 4] = -5
     batch.check_target_ids(7)
+
+
+@pytest.mark.parametrize(
+    "tp, sequence_parallel, fp8, multiple",
+    [(1, False, False, 1), (4, True, False, 4), (1, False, True, 16), (4, True, True, 64), (2, False, True, 32)],
+)
+def test_fp8_pads_every_micro_batch_to_16_tokens_per_tp_rank(tp, sequence_parallel, fp8, multiple):
+    from dapo_megatron.actor.batch import plan_micro_batches, sequence_pad_multiple
+
+    assert sequence_pad_multiple(tp, sequence_parallel, fp8) == multiple
+    lengths = [7, 33, 50, 3, 18]
+    for rows in plan_micro_batches(lengths, 4096, multiple):
+        width = -(-max(lengths[i] for i in rows) // multiple) * multiple
+        tokens_per_rank = width * len(rows) // (tp if sequence_parallel or fp8 else 1)
+        assert width % multiple == 0 and (not fp8 or tokens_per_rank % 16 == 0)
