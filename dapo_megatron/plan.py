@@ -16,6 +16,17 @@ in the two phases of a colocated DAPO step:
   transformers engine, ``rollout.engine=hf``, instead holds fp32 weights and a KV cache
   for its share of the generation batch).
 
+Both phases also hold, on a stage's leader, the weight sync's q/k/v export buffers: the
+HF-layout q, k and v of every layer of the stage, gathered over tensor parallelism and
+kept between syncs (2.3 GiB at 32B with pp 2). The CPU runtime's sync sends shards as
+they are and keeps none.
+
+Actor ranks wait in a collective only while they train, compute log-probs, save or sync
+weights: never while the engines generate (the driver calls the ranks between
+generations; with async generation they train meanwhile, all of them together). So the
+collective timeout (``parallel.timeout_minutes``) must cover the longest of those, not a
+rollout phase, however long the responses; the plan states it.
+
 On the CPU (``parallel.device=cpu``) there is no GPU: every actor rank and every engine is
 a process of one machine, all resident at once, so the plan adds them up against this
 machine's memory: fp32 weights, gradients and Adam state per rank, fp32 activations
@@ -142,10 +153,20 @@ class MemoryEstimate:
     """One transformers engine's KV cache for its share of a generation round."""
     engines_per_gpu: int = 1
     """Transformers engines on the busiest GPU (``engine == "hf"`` on a GPU)."""
+    sync_export: int = 0
+    """The weight sync's q/k/v export buffers on the heaviest stage's leader (GPU runs)."""
 
     @property
     def train_phase(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logprob + self.overhead
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.logprob
+            + self.sync_export
+            + self.overhead
+        )
 
     @property
     def hf_engine(self) -> int:
@@ -154,7 +175,7 @@ class MemoryEstimate:
     @property
     def rollout_phase(self) -> int:
         engines = self.sglang if self.engine == "sglang" else self.engines_per_gpu * self.hf_engine
-        return self.weights + self.gradients + self.optimizer + engines + self.overhead
+        return self.weights + self.gradients + self.optimizer + engines + self.sync_export + self.overhead
 
     @property
     def sglang_weights_fit(self) -> bool:
@@ -186,6 +207,16 @@ def machine_memory_bytes() -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def sync_export_bytes(config: Config, param_bytes: int) -> int:
+    """The q/k/v export buffers a stage leader keeps for the weight sync: HF q, k and v
+    weights and biases of each of the heaviest stage's layers, whole (gathered over TP)."""
+    m = config.model
+    head_dim = m.hidden_size // m.num_attention_heads
+    qkv_rows = (m.num_attention_heads + 2 * m.num_query_groups) * head_dim
+    per_layer = qkv_rows * (m.hidden_size + 1) * param_bytes
+    return max(pipeline_layer_split(m.num_layers, config.parallel)) * per_layer
 
 
 def estimate_memory(config: Config) -> MemoryEstimate:
@@ -234,6 +265,7 @@ def estimate_memory(config: Config) -> MemoryEstimate:
         hf_engine_weights=hf_weights,
         hf_engine_kv_cache=hf_kv_cache,
         engines_per_gpu=-(-r.num_engines // p.world_size),
+        sync_export=0 if on_cpu else sync_export_bytes(config, param_bytes),
     )
 
 
@@ -479,6 +511,7 @@ def format_plan(plan: Plan) -> str:
         ),
         f"    (without recompute {mem.activations_no_recompute / GIB:.2f} GiB, with {mem.activations_recompute / GIB:.2f} GiB)",
         row("log-prob buffers", mem.logprob),
+        *([row("weight-sync q/k/v export buffers", mem.sync_export)] if mem.sync_export else []),
         row(f"{'process' if host is not None else 'framework'} overhead", mem.overhead),
         row("= train phase", mem.train_phase),
     ]
@@ -508,6 +541,10 @@ def format_plan(plan: Plan) -> str:
         ]
     else:
         lines += [row("= rollout phase", mem.rollout_phase), f"GPU memory: {p.gpu_memory_gb:g} GiB"]
+    lines.append(
+        f"collective timeout: {p.timeout_minutes:g} min (parallel.timeout_minutes): ranks wait in collectives while "
+        "training, computing log-probs, saving and syncing weights, never while the engines generate"
+    )
     if plan.fits:
         lines.append("fits")
     else:

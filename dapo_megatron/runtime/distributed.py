@@ -82,6 +82,22 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+def local_rank_of(env, parallel: ParallelConfig, device_type: str) -> int:
+    """This process's rank on its node, which picks its GPU: ``LOCAL_RANK`` as torchrun,
+    SLURM's launcher or the Ray actor group set it. Unset, the global rank is the local
+    one only on a single node (or on the CPU, where no device is picked); on several GPU
+    nodes it would name a GPU the node does not have, so that is refused."""
+    if "LOCAL_RANK" in env:
+        return int(env["LOCAL_RANK"])
+    rank = int(env.get("RANK", "0"))
+    if device_type == "cpu" or parallel.num_nodes == 1:
+        return rank
+    raise LaunchError(
+        f"LOCAL_RANK is not set on a {parallel.num_nodes}-node GPU launch (global rank {rank}): launch with "
+        "torchrun, srun with LOCAL_RANK exported (SLURM_LOCALID), or `dapo-megatron train` (Ray sets it)"
+    )
+
+
 def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
     """Initialise torch.distributed, megatron's parallel state and RNG for this rank.
 
@@ -95,7 +111,7 @@ def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
     device_type = resolve_device(parallel.device)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    local_rank = local_rank_of(os.environ, parallel, device_type)
     if world_size != parallel.world_size:
         raise LaunchError(
             f"launched {world_size} processes but the layout needs parallel.num_nodes x "

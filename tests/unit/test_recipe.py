@@ -70,12 +70,16 @@ def test_plan_counts_parameters_exactly_and_matches_a_hand_computation():
     assert mem.logprob == 2 * chunk * 19_072 * 4 + 24576 * 5120 * 2
     assert mem.sglang == int(0.6 * 80 * GIB)
     assert mem.sglang_weights == 32_763_876_352 * 2 // 4
+    # The stage leader's q/k/v export buffers: 40 + 2 x 8 heads of 128 rows, weight and
+    # bias, whole (gathered over tp), bf16, for the stage's 32 layers: 2.19 GiB.
+    export = 32 * (40 + 2 * 8) * 128 * (5120 + 1) * 2
+    assert mem.sync_export == export and 2.1 * GIB < export < 2.3 * GIB
     assert (
         mem.train_phase
-        == 2 * last_stage + 4 * last_stage + 12 * last_stage // 8 + mem.activations + mem.logprob + 3 * GIB
+        == 2 * last_stage + 4 * last_stage + 12 * last_stage // 8 + mem.activations + mem.logprob + export + 3 * GIB
     )
-    assert mem.rollout_phase == 6 * last_stage + 12 * last_stage // 8 + int(0.6 * 80 * GIB) + 3 * GIB
-    assert 19 * GIB < mem.train_phase < 21 * GIB and 64 * GIB < mem.rollout_phase < 67 * GIB
+    assert mem.rollout_phase == 6 * last_stage + 12 * last_stage // 8 + int(0.6 * 80 * GIB) + export + 3 * GIB
+    assert 21 * GIB < mem.train_phase < 23 * GIB and 66 * GIB < mem.rollout_phase < 69 * GIB
 
 
 @pytest.mark.parametrize(
@@ -83,7 +87,7 @@ def test_plan_counts_parameters_exactly_and_matches_a_hand_computation():
     [
         (
             ["rollout.gpu_memory_utilization=0.9"],
-            "rollout phase needs 89.3 GiB per GPU > parallel.gpu_memory_gb=80",
+            "rollout phase needs 91.5 GiB per GPU > parallel.gpu_memory_gb=80",
             "rollout.gpu_memory_utilization=0.7",
         ),
         (
@@ -178,7 +182,12 @@ def test_a_transformers_engine_on_gpus_is_planned_as_one(capsys):
     plan = make_plan(load_config(DEMO, ["parallel.device=cuda", "rollout.engine=hf"]))
     assert plan.fits and plan.host is None and plan.memory.engine == "hf"
     assert plan.memory.rollout_phase == (
-        plan.memory.weights + plan.memory.gradients + plan.memory.optimizer + plan.memory.hf_engine + 3 * GIB
+        plan.memory.weights
+        + plan.memory.gradients
+        + plan.memory.optimizer
+        + plan.memory.hf_engine
+        + plan.memory.sync_export
+        + 3 * GIB
     )
     with pytest.raises(ConfigError, match="rollout.engine=sglang needs a GPU but parallel.device=cpu"):
         load_config(DEMO, ["rollout.engine=sglang"])

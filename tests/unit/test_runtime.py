@@ -78,3 +78,15 @@ def test_launched_world_size_must_match_layout(monkeypatch):
     with pytest.raises(LaunchError, match="launched 1 processes but the layout needs"):
         with megatron_runtime(ParallelConfig(device="cpu", tp_size=2, num_devices_per_node=2), seed=0):
             pass
+
+
+def test_local_rank_comes_from_the_launcher_or_is_refused_across_gpu_nodes():
+    from dapo_megatron.runtime.distributed import local_rank_of
+
+    two_nodes = ParallelConfig(num_nodes=2, num_devices_per_node=4)
+    one_node = ParallelConfig(num_nodes=1, num_devices_per_node=4)
+    assert local_rank_of({"RANK": "6", "LOCAL_RANK": "2"}, two_nodes, "cuda") == 2
+    assert local_rank_of({"RANK": "3"}, one_node, "cuda") == 3
+    assert local_rank_of({"RANK": "6"}, two_nodes, "cpu") == 6
+    with pytest.raises(LaunchError, match="LOCAL_RANK is not set on a 2-node GPU launch \\(global rank 6\\)"):
+        local_rank_of({"RANK": "6"}, two_nodes, "cuda")
