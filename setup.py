@@ -25,7 +25,10 @@ setup(
         "pyarrow>=14",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],
+        # The GPU stack (CUDA 13): the SGLang release the engine wrapper is written and
+        # contract-tested against, the torch it pins, and the Transformer Engine releases
+        # megatron-core 0.16.1 is tested with (its own `dev` extra's range).
+        "gpu": ["sglang==0.5.23", "torch==2.14.1", "transformer-engine[pytorch,core_cu13]>=2.9.0a0,<2.12.0"],
         # Plots of docs/performance.md (benchmarks/plot_performance.py).
         "bench": ["matplotlib>=3.8"],
         "test": [

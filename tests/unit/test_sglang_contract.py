@@ -276,3 +276,30 @@ def test_engine_changes_process_wide_settings():
         if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "base_gpu_id"
     )
     assert ast.literal_eval(base.value) == 0  # every engine would take GPU 0 onwards unless told
+
+
+def test_gpu_extra_pins_what_the_wrapper_and_megatron_were_checked_against():
+    """setup.py's gpu extra: sglang at the supported release, the torch that release
+    pins, and Transformer Engine in the range megatron-core's own dev extra tests."""
+    import importlib.metadata
+    import re
+
+    from packaging.requirements import Requirement
+
+    gpu = next(
+        ast.literal_eval(value)
+        for node in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
+        if isinstance(node, ast.Dict)
+        for key, value in zip(node.keys, node.values)
+        if isinstance(key, ast.Constant) and key.value == "gpu"
+    )
+    metadata = wheel().read(f"sglang-{SUPPORTED_SGLANG}.dist-info/METADATA").decode()
+    sglang_torch = re.search(r"^Requires-Dist: (torch==[\d.]+)$", metadata, re.M).group(1)
+    megatron_te = next(
+        r.split(";")[0].strip()
+        for r in importlib.metadata.requires("megatron-core")
+        if r.startswith("transformer-engine") and 'extra == "dev"' in r
+    )
+    assert f"sglang=={SUPPORTED_SGLANG}" in gpu and sglang_torch in gpu
+    te = Requirement(next(g for g in gpu if g.startswith("transformer-engine")))
+    assert te.specifier == Requirement(megatron_te).specifier and "pytorch" in te.extras, (te, megatron_te)
