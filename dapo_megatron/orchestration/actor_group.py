@@ -58,18 +58,19 @@ def _update_session(engines: list, what: str, stream) -> SyncStats:
     return stats
 
 
-def _stream_by_handle(buckets, buffers: list, engines: list, keep=None) -> tuple[int, int, int]:
+def _stream_by_handle(buckets, buffers: list, engines: list, keep=None, serialize=None) -> tuple[int, int, int]:
     """Pack each bucket into the next of ``buffers`` and hand its handle to every engine
     without waiting for the previous one (an engine works through its calls in order, so
     it never idles between buckets); wait only before reusing a buffer, for the bucket
-    packed into it last; ``keep(handle)`` sees every handle. Returns ``(bytes, tensors,
-    buckets)`` sent."""
+    packed into it last; ``keep(handle)`` sees every handle; ``serialize`` (SGLang's
+    engines) also serializes each packed tensor for the engine's own workers. Returns
+    ``(bytes, tensors, buckets)`` sent."""
     in_flight: deque = deque()
     num_bytes = num_tensors = num_buckets = 0
     for index, (bucket, last) in enumerate(with_last_flag(buckets)):
         if len(in_flight) == len(buffers):
             ray.get(in_flight.popleft())
-        handle = buffers[index % len(buffers)].pack(bucket)
+        handle = buffers[index % len(buffers)].pack(bucket, serialize)
         if keep is not None:
             keep(handle)
         in_flight.append([engine.load_weight_bucket_handle.remote(handle, last) for engine in engines])
@@ -84,15 +85,17 @@ def _stream_by_handle(buckets, buffers: list, engines: list, keep=None) -> tuple
 class _EngineFanout:
     """Looks like one engine to :func:`sync_weights`; feeds every engine by handle, in parallel."""
 
-    def __init__(self, engines: list, buffers: list) -> None:
+    def __init__(self, engines: list, buffers: list, serialize=None) -> None:
         self.engines = engines
         self.buffers = buffers  # two SharedBucketBuffers, kept by the rank across syncs
+        self.serialize = serialize
 
     def update_weights(self, buckets) -> SyncStats:
         start = time.perf_counter()
 
         def stream() -> SyncStats:
-            return SyncStats(time.perf_counter() - start, *_stream_by_handle(buckets, self.buffers, self.engines))
+            sent = _stream_by_handle(buckets, self.buffers, self.engines, serialize=self.serialize)
+            return SyncStats(time.perf_counter() - start, *sent)
 
         return _update_session(self.engines, "weight sync", stream)
 
@@ -254,9 +257,14 @@ class ActorRank:
 
         fanout = None
         if engines and self.config.rollout.colocate:
+            from dapo_megatron.orchestration.rollout import engine_kind
+
             if not self._buffers:
                 self._buffers = [SharedBucketBuffer(self.actor.device) for _ in range(2)]
-            fanout = _EngineFanout(engines, self._buffers)
+            serialize = None
+            if engine_kind(self.config) == "sglang":
+                from dapo_megatron.rollout.sglang_engine import sglang_tensor_payload as serialize
+            fanout = _EngineFanout(engines, self._buffers, serialize)
         elif engines:
             if self._update_group is None:
                 self._update_group = self._host_update_group(engines, engine_ranks)

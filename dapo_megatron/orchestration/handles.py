@@ -89,6 +89,10 @@ class BucketHandle:
     """``(hf_name, shape, dtype, buffer_index, byte_offset)`` of each (contiguous) tensor."""
     offsets: tuple[tuple[int, ...], ...] = ()
     """The bucket's piece offsets (see :class:`WeightBucket`); empty for whole tensors."""
+    serialized: tuple[bytes, ...] = ()
+    """Each tensor serialized by the sender for an engine that maps them in processes of
+    its own (SGLang's TP workers: see ``sglang_engine.sglang_tensor_payload``); empty
+    otherwise."""
 
     @property
     def num_bytes(self) -> int:
@@ -129,8 +133,9 @@ class SharedBucketBuffer:
             self._storage_handles[key] = tensor_handle(whole)
         return self._storage_handles[key]
 
-    def pack(self, bucket: WeightBucket) -> BucketHandle:
-        """Reference or copy ``bucket``'s tensors; return the handles and layout."""
+    def pack(self, bucket: WeightBucket, serialize=None) -> BucketHandle:
+        """Reference or copy ``bucket``'s tensors; return the handles and layout, and,
+        with ``serialize``, each packed tensor (a view of the buffer) serialized by it."""
         referenced = [
             t.device.type == "cpu" and t.is_shared() and t.is_contiguous() and self.device.type == "cpu"
             for _, t in bucket.tensors
@@ -141,7 +146,7 @@ class SharedBucketBuffer:
             share_storage(self._flat)  # no-op for CUDA tensors: they travel by IPC handle
             self._handle = tensor_handle(self._flat)
         buffers: list[bytes] = []
-        layout, offset = [], 0
+        layout, offset, serialized = [], 0, []
 
         def index_of(handle: bytes) -> int:
             if handle not in buffers:
@@ -154,12 +159,17 @@ class SharedBucketBuffer:
                 layout.append(
                     (name, tuple(tensor.shape), tensor.dtype, index_of(self._storage_handle(tensor)), byte_offset)
                 )
+                if serialize is not None:
+                    serialized.append(serialize(tensor))
                 continue
             size = tensor.nbytes
-            self._flat[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            packed = self._flat[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+            packed.copy_(tensor)
             layout.append((name, tuple(tensor.shape), tensor.dtype, index_of(self._handle), offset))
+            if serialize is not None:
+                serialized.append(serialize(packed))
             offset += _aligned(size)
-        return BucketHandle(tuple(buffers), tuple(layout), tuple(bucket.offsets))
+        return BucketHandle(tuple(buffers), tuple(layout), tuple(bucket.offsets), tuple(serialized))
 
     def close(self) -> None:
         """Drop the staging buffer and the references (shared memory goes once every

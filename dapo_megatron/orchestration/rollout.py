@@ -85,7 +85,13 @@ class EngineWorker:
         self.engine.begin_weight_update()
 
     def load_weight_bucket_handle(self, handle, last: bool) -> None:
-        """Map the bucket a rank packed (no copy) and let the engine copy it in."""
+        """Map the bucket a rank packed (no copy) and let the engine copy it in; an engine
+        whose own workers map the tensors (SGLang) gets the sender's serialized tensors
+        instead, unopened here."""
+        if handle.serialized and getattr(self.engine, "accepts_serialized", False):
+            names = [name for name, *_ in handle.layout]
+            self.engine.load_serialized_bucket(names, list(handle.serialized), handle.num_bytes, last)
+            return
         self.engine.load_weight_bucket(self.receiver.open(handle), last)
 
     def join_weight_update_group(

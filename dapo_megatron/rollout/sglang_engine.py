@@ -35,7 +35,13 @@ What SGLang 0.5.23 does, and what this wrapper does about it:
   GPUs explicitly (``base_gpu_id``): several engines share a node.
 
 Weight updates, two ways: colocated, each bucket goes through
-``update_weights_from_tensor`` (the KV cache is flushed with the last bucket); on separate
+``update_weights_from_tensor`` (the KV cache is flushed with the last bucket) as tensors
+the feeding actor rank serialized itself, with SGLang's serializer (CUDA IPC handles
+naming the GPU by UUID): one payload per engine TP rank, each wrapped in SGLang's
+``LocalSerializedTensor`` (the pattern of SGLang's ``weight_sync/utils.py``). The engine's
+own process never maps the tensors (torch refuses to send on a CUDA tensor received from
+another process; ``update_weights_from_tensor`` would have to): it passes the handles
+through to its TP workers, each of which maps the sender's memory. On separate
 GPUs the engine joins an NCCL group (``init_weights_update_group``) and receives each
 bucket by broadcast (``update_weights_from_distributed``) while the sender broadcasts the
 same tensors in the same order. SGLang applies every call as it arrives, so unlike the
@@ -148,6 +154,19 @@ def checked(call: str, answer: Any) -> str:
     return str(message)
 
 
+def sglang_tensor_payload(tensor: torch.Tensor) -> bytes:
+    """The sender's side of a colocated update (an actor rank): ``tensor`` serialized
+    with SGLang's ``MultiprocessingSerializer`` after its ``monkey_patch_torch_reductions``,
+    so a CUDA tensor is named by device UUID (the engine's workers see other device
+    indices than the sender). A handle, never the data; the tensor must stay alive and
+    unchanged until the engine has loaded it."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer.serialize(tensor.detach())
+
+
 def row_sampling_params(params: SamplingParams, rows: int) -> list[dict]:
     """SGLang's per-request sampling dicts for ``rows`` rows: each row its own seed
     (``params.seed + row``; one shared seed would give every copy of a prompt the same
@@ -221,6 +240,7 @@ class SGLangRolloutEngine(RolloutEngine):
             enable_deterministic_inference=deterministic,
             dtype=dtype,
         )
+        self.tp_size = tp_size
         self.released = False
         self.consistent = True
         # Set by a release (SGLang drops the weights) until a complete update arrives.
@@ -295,6 +315,27 @@ class SGLangRolloutEngine(RolloutEngine):
             self._engine.update_weights_from_tensor(named_tensors=bucket.tensors, load_format=None, flush_cache=last),
         )
         self._count(session, len(bucket.tensors), bucket.num_bytes)
+
+    accepts_serialized = True
+    """Takes buckets as tensors the sender serialized (:meth:`load_serialized_bucket`)."""
+
+    def load_serialized_bucket(self, names: list[str], payloads: list[bytes], num_bytes: int, last: bool) -> None:
+        """One bucket of the open update as sender-serialized tensors
+        (:func:`sglang_tensor_payload`), handed to every TP worker of the engine as
+        SGLang's ``LocalSerializedTensor``: worker ``r`` maps ``values[r]``."""
+        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+
+        session = self._require_session("a weight bucket arrived")
+        if len(names) != len(payloads):
+            raise WeightSyncError(f"a serialized bucket names {len(names)} tensors but carries {len(payloads)}")
+        named = [
+            (name, LocalSerializedTensor(values=[payload] * self.tp_size)) for name, payload in zip(names, payloads)
+        ]
+        checked(
+            "update_weights_from_tensor",
+            self._engine.update_weights_from_tensor(named_tensors=named, load_format=None, flush_cache=last),
+        )
+        self._count(session, len(names), num_bytes)
 
     @staticmethod
     def _count(session: dict, tensors: int, num_bytes: int) -> None:

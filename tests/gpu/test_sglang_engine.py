@@ -18,7 +18,9 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def engine(tmp_path):
     pytest.importorskip("sglang")
-    from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
+    from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine, mark_engine_process
+
+    mark_engine_process()  # this test process plays the engine worker
 
     hf = make_hf(tmp_path / "hf", vocab=256, layers=2)
     engine = SGLangRolloutEngine(str(hf), tp_size=1, mem_fraction_static=0.2, dtype="float32")
@@ -57,4 +59,10 @@ def test_generate_sync_release_resume(engine, tmp_path):
     engine.release_memory()
     assert not engine.health()["ok"]
     engine.resume_memory()
+    # SGLang kept no copy of the weights: a complete update must come first.
+    assert engine.health()["needs_full_update"] and not engine.health()["ok"]
+    with pytest.raises(RuntimeError, match="sync the actor's weights"):
+        engine.generate(prompts, greedy)
+    engine.update_weights([WeightBucket(tensors[i : i + 7]) for i in range(0, len(tensors), 7)])
     assert engine.health()["ok"] and engine.health()["engine"] == "sglang"
+    assert [g.token_ids for g in engine.generate(prompts, greedy)] == _greedy_reference(other, prompts, 6)

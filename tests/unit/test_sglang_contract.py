@@ -303,3 +303,18 @@ def test_gpu_extra_pins_what_the_wrapper_and_megatron_were_checked_against():
     assert f"sglang=={SUPPORTED_SGLANG}" in gpu and sglang_torch in gpu
     te = Requirement(next(g for g in gpu if g.startswith("transformer-engine")))
     assert te.specifier == Requirement(megatron_te).specifier and "pytorch" in te.extras, (te, megatron_te)
+
+
+def test_tp_workers_unwrap_their_own_value_of_a_local_serialized_tensor():
+    """What a colocated update sends: SGLang's LocalSerializedTensor(values=[one payload
+    per TP rank]); each worker deserializes values[tp_rank] (and moves it to its device);
+    the Engine serializes the list once per TP rank and each worker reads its own."""
+    updater = _functions("sglang/srt/model_executor/model_runner_components/weight_updater.py")
+    assert "tensor = tensor.get(tp_rank)" in ast.unparse(updater["_unwrap_tensor"])
+    assert "MultiprocessingSerializer.deserialize(self.values[rank])" in ast.unparse(updater["get"])
+    engine = ast.unparse(_functions("sglang/srt/entrypoints/engine.py")["_serialize_tensors_per_rank"])
+    assert "MultiprocessingSerializer.serialize(tensors) for _ in range(get_parallel().tp_size)" in engine
+    worker = ast.unparse(_functions("sglang/srt/managers/tp_worker.py")["deserialize_own_rank"])
+    assert "serialized_named_tensors[get_parallel().tp_rank]" in worker
+    patch = wheel().read("sglang/srt/utils/patch_torch.py").decode()
+    assert "def monkey_patch_torch_reductions" in patch and "uuid" in patch.lower()

@@ -199,3 +199,49 @@ def test_an_engine_is_built_only_in_an_engine_process(monkeypatch):
     monkeypatch.setenv(sglang_engine.ENGINE_PROCESS_ENV, str(os.getpid() + 1))  # inherited by a child: not it
     with pytest.raises(RuntimeError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
         SGLangRolloutEngine("/model")
+
+
+class StandInLocalSerializedTensor:
+    """SGLang's LocalSerializedTensor (weight_updater.py): values[r] is TP rank r's
+    serialized tensor; get(r) deserializes it."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def get(self, rank):
+        import pickle
+
+        return pickle.loads(self.values[rank])
+
+
+def test_colocated_buckets_reach_every_tp_worker_as_the_senders_serialized_tensors(engine, monkeypatch):
+    """The actor rank packs a bucket and serializes each packed tensor; the engine worker
+    passes them through unopened; each of the engine's 2 TP workers maps its own value
+    (the stand-in unwraps as SGLang's _unwrap_tensor does) and gets the sender's tensor."""
+    from dapo_megatron.orchestration.handles import SharedBucketBuffer, tensor_handle
+
+    module = types.SimpleNamespace(LocalSerializedTensor=StandInLocalSerializedTensor)
+    monkeypatch.setitem(sys.modules, "sglang.srt.model_executor.model_runner_components.weight_updater", module)
+    loaded = {}
+
+    def update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True):
+        assert engine._engine.session and load_format is None
+        for name, wrapped in named_tensors:
+            loaded[name] = [wrapped.get(rank).clone() for rank in range(2)]  # each TP worker's unwrap
+        return True, "Success"
+
+    engine._engine.update_weights_from_tensor = update_weights_from_tensor
+    sent = {"q": torch.randn(3, 4), "b": torch.arange(5.0)}
+    buffer = SharedBucketBuffer(torch.device("cpu"))
+    handle = buffer.pack(WeightBucket(list(sent.items())), tensor_handle)
+    assert len(handle.serialized) == 2
+    engine.begin_weight_update()
+    engine.load_serialized_bucket([n for n, *_ in handle.layout], list(handle.serialized), handle.num_bytes, True)
+    stats = engine.end_weight_update()
+    assert set(loaded) == set(sent) and stats.num_bytes == (12 + 5) * 4
+    for name, tensor in sent.items():
+        assert all(torch.equal(copy, tensor) for copy in loaded[name])
+    with pytest.raises(WeightSyncError, match="names 1 tensors but carries 2"):
+        engine.begin_weight_update()
+        engine.load_serialized_bucket(["q"], list(handle.serialized), 0, True)
+    buffer.close()
