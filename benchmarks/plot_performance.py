@@ -10,6 +10,9 @@ matplotlib). Writes
 - ``demo_mismatch.png``: the reward beside the training-inference mismatch (K3 KL of the
   rollout policy from the actor's, mean and max per token; share of ratios outside the
   cap), when the run logged it.
+
+With ``--async-metrics`` (a run with ``trainer.async_generation``) also
+``demo_async_learning.png`` and ``demo_async_mismatch.png``, the same plots of that run.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def plot_step_breakdown(bench: dict, out: Path) -> Path:
     return path
 
 
-def plot_learning(metrics_file: Path, out: Path) -> Path:
+def plot_learning(metrics_file: Path, out: Path, name: str = "demo_learning.png") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,13 +82,13 @@ def plot_learning(metrics_file: Path, out: Path) -> Path:
     right.set_xlabel("step")
     right.set_title("mean response length (tokens)", fontsize=9)
     fig.tight_layout()
-    path = out / "demo_learning.png"
+    path = out / name
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def plot_mismatch(metrics_file: Path, out: Path) -> Path | None:
+def plot_mismatch(metrics_file: Path, out: Path, name: str = "demo_mismatch.png") -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +113,7 @@ def plot_mismatch(metrics_file: Path, out: Path) -> Path | None:
         0.02, 0.02, f"largest share of ratios outside the cap: {outside:.2g}", transform=right.transAxes, fontsize=7
     )
     fig.tight_layout()
-    path = out / "demo_mismatch.png"
+    path = out / name
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -120,6 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, required=True, help="a `dapo-megatron bench --json` file")
     parser.add_argument("--metrics", type=Path, required=True, help="a run's metrics.jsonl")
+    parser.add_argument("--async-metrics", type=Path, help="metrics.jsonl of a run with async generation")
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -128,6 +132,11 @@ def main() -> None:
         plot_learning(args.metrics, args.out),
         plot_mismatch(args.metrics, args.out),
     ]
+    if args.async_metrics is not None:
+        written += [
+            plot_learning(args.async_metrics, args.out, "demo_async_learning.png"),
+            plot_mismatch(args.async_metrics, args.out, "demo_async_mismatch.png"),
+        ]
     for path in written:
         if path is not None:
             print(f"wrote {path}")

@@ -50,6 +50,8 @@ def test_plot_script_writes_both_figures(tmp_path):
             str(tmp_path / "bench.json"),
             "--metrics",
             str(tmp_path / "metrics.jsonl"),
+            "--async-metrics",
+            str(tmp_path / "metrics.jsonl"),
             "--out",
             str(tmp_path / "img"),
         ],
@@ -58,6 +60,7 @@ def test_plot_script_writes_both_figures(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    for name in ("step_breakdown.png", "demo_learning.png", "demo_mismatch.png"):
+    names = ("step_breakdown.png", "demo_learning.png", "demo_mismatch.png")
+    for name in (*names, "demo_async_learning.png", "demo_async_mismatch.png"):
         data = (tmp_path / "img" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
