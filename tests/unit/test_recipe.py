@@ -209,6 +209,8 @@ def test_plan_cli_prints_the_table(capsys):
     assert main(["plan", str(RECIPE)]) == 0
     out = capsys.readouterr().out
     assert "32,763,876,352 parameters" in out and "train phase" in out and "rollout phase" in out and "fits" in out
+    assert "weight-sync q/k/v export buffers    2.19 GiB" in out
+    assert "collective timeout: 30 min (parallel.timeout_minutes)" in out and "never while the engines generate" in out
 
 
 SCRIPTS = ROOT / "examples" / "qwen2_5_32b"
