@@ -132,6 +132,23 @@ class _BroadcastFanout:
         )
 
 
+def choose_feeders(
+    engine_places: list[tuple[str, list[int]]], rank_places: list[tuple[str, list[int]]], valid: set[int]
+) -> dict[int, list[int]]:
+    """The rank that feeds each colocated engine, from where engines and ranks are (Ray
+    node, GPU ids): the lowest rank that may feed (a stage leader of the first replica or
+    a rank of another replica) on one of the engine's own GPUs, so its workers map local
+    memory; else the lowest on the engine's node (CUDA IPC works within a node); else
+    rank 0. Engines on one node get different feeders when their GPUs differ, so they
+    are fed in parallel."""
+    plan: dict[int, list[int]] = {}
+    for index, (node, gpus) in enumerate(engine_places):
+        local = [rank for rank in sorted(valid) if rank_places[rank][0] == node]
+        own = [rank for rank in local if set(rank_places[rank][1]) & set(gpus)]
+        plan.setdefault((own or local or [0])[0], []).append(index)
+    return plan
+
+
 @ray.remote
 class ActorRank:
     """One rank of the Megatron actor, in its own process (see the module docstring)."""
@@ -245,6 +262,10 @@ class ActorRank:
     def node_id(self) -> str:
         """The Ray node this rank runs on."""
         return ray.get_runtime_context().get_node_id()
+
+    def placement(self) -> tuple[str, list[int]]:
+        """The Ray node this rank runs on and the GPU Ray gave it (none on the CPU)."""
+        return self.node_id(), [int(i) for i in ray.get_gpu_ids()]
 
     def sync_weights(
         self, engines: list, bucket_bytes: int, engine_ranks: int, feeders: tuple[int, ...]
@@ -517,18 +538,24 @@ class ActorGroup:
         nodes = self._nodes_of(engines)
         return len(set(self._rank_nodes()) | set(nodes)) == 1
 
-    def _rank_nodes(self) -> list[str]:
-        """Each rank's Ray node (asked once: placement does not change during a run)."""
+    def _rank_places(self) -> list[tuple[str, list[int]]]:
+        """Each rank's Ray node and GPUs (asked once: placement does not change during a run)."""
         if self._node_ids is None:
-            self._node_ids = call_all([r.node_id.remote() for r in self.ranks], "an actor rank", self.names)
+            self._node_ids = call_all([r.placement.remote() for r in self.ranks], "an actor rank", self.names)
         return self._node_ids
 
-    def _nodes_of(self, engines: list) -> list[str]:
-        """Each engine's Ray node, asked once per set of engines."""
+    def _rank_nodes(self) -> list[str]:
+        return [node for node, _ in self._rank_places()]
+
+    def _places_of(self, engines: list) -> list[tuple[str, list[int]]]:
+        """Each engine's Ray node and GPUs, asked once per set of engines."""
         key = tuple(engines)
         if key not in self._engine_nodes:
-            self._engine_nodes[key] = call_all([engine.node_id.remote() for engine in engines], "a rollout engine")
+            self._engine_nodes[key] = call_all([engine.placement.remote() for engine in engines], "a rollout engine")
         return self._engine_nodes[key]
+
+    def _nodes_of(self, engines: list) -> list[str]:
+        return [node for node, _ in self._places_of(engines)]
 
     def _sync_by_pieces(self, engines: list, bucket_bytes: int) -> SyncStats:
         """Every first-replica rank sends its own shards to every engine, all at once,
@@ -550,17 +577,11 @@ class ActorGroup:
         return _update_session(engines, "weight sync", stream)
 
     def plan_feeders(self, engines: list) -> dict[int, list[int]]:
-        """Each engine is fed by the lowest rank on its node that may feed (a stage leader
-        of the first replica or a rank of another one), else by rank 0. Asked of Ray once
-        per set of engines (placement does not change during a run)."""
+        """Each engine's feeder (see :func:`choose_feeders`), asked of Ray once per set
+        of engines (placement does not change during a run)."""
         key = tuple(engines)
         if key not in self._feeder_plans:
-            rank_nodes = self._rank_nodes()
-            plan: dict[int, list[int]] = {}
-            for index, node in enumerate(self._nodes_of(engines)):
-                local = [rank for rank in sorted(self.valid_feeders) if rank_nodes[rank] == node]
-                plan.setdefault(local[0] if local else 0, []).append(index)
-            self._feeder_plans[key] = plan
+            self._feeder_plans[key] = choose_feeders(self._places_of(engines), self._rank_places(), self.valid_feeders)
         return self._feeder_plans[key]
 
     def matmul_flops_per_s(self, shapes: list[tuple[int, int]], tokens: int, repeats: int = 3) -> list[float]:

@@ -61,6 +61,7 @@ class EngineWorker:
             torch.set_num_threads(num_threads)
         self.config, self.index, self.weights_dir = config, index, weights_dir
         self.engine = None
+        self.gpus: list[int] = []
         self.receiver = BucketReceiver()
 
     def start(self, base_gpu_id: Optional[int] = None) -> None:
@@ -70,8 +71,11 @@ class EngineWorker:
         from dapo_megatron.rollout.sglang_engine import mark_engine_process
 
         mark_engine_process()
+        tp = self.config.rollout.engine_tp_size
         if base_gpu_id is None and engine_kind(self.config) == "sglang":
-            base_gpu_id = reserved_gpu_base([int(i) for i in ray.get_gpu_ids()], self.config.rollout.engine_tp_size)
+            base_gpu_id = reserved_gpu_base([int(i) for i in ray.get_gpu_ids()], tp)
+        if base_gpu_id is not None:
+            self.gpus = list(range(base_gpu_id, base_gpu_id + tp))
         self.engine = _build_engine(self.config, self.index, self.weights_dir, base_gpu_id or 0)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Generation]:
@@ -80,6 +84,10 @@ class EngineWorker:
     def node_id(self) -> str:
         """The Ray node this engine runs on (it is fed by an actor rank on the same node)."""
         return ray.get_runtime_context().get_node_id()
+
+    def placement(self) -> tuple[str, list[int]]:
+        """The Ray node this engine runs on and its GPUs (none on the CPU)."""
+        return self.node_id(), self.gpus
 
     def begin_weight_update(self) -> None:
         self.engine.begin_weight_update()
