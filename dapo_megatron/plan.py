@@ -65,12 +65,19 @@ LOGPROB_CHUNK_BYTES = 128 * 2**20
 """One chunk of fp32 logits in the fused log-prob (see actor/vocab_parallel.py)."""
 
 
+def qkv_parameters(config: Config) -> int:
+    """Parameters of one layer's q, k and v projections, weights and biases (whole)."""
+    m = config.model
+    head_dim = m.hidden_size // m.num_attention_heads
+    rows = (m.num_attention_heads + 2 * m.num_query_groups) * head_dim
+    return rows * (m.hidden_size + 1)
+
+
 def layer_parameters(config: Config) -> tuple[int, int]:
     """``(tensor-parallel-sharded, replicated)`` parameters of one transformer layer."""
     m = config.model
     head_dim = m.hidden_size // m.num_attention_heads
-    kv = m.num_query_groups * head_dim
-    qkv = m.hidden_size * (m.num_attention_heads * head_dim + 2 * kv) + (m.num_attention_heads * head_dim + 2 * kv)
+    qkv = qkv_parameters(config)
     proj = m.hidden_size * m.num_attention_heads * head_dim
     mlp = 3 * m.hidden_size * m.ffn_hidden_size
     return qkv + proj + mlp, 2 * m.hidden_size
@@ -212,11 +219,8 @@ def machine_memory_bytes() -> int:
 def sync_export_bytes(config: Config, param_bytes: int) -> int:
     """The q/k/v export buffers a stage leader keeps for the weight sync: HF q, k and v
     weights and biases of each of the heaviest stage's layers, whole (gathered over TP)."""
-    m = config.model
-    head_dim = m.hidden_size // m.num_attention_heads
-    qkv_rows = (m.num_attention_heads + 2 * m.num_query_groups) * head_dim
-    per_layer = qkv_rows * (m.hidden_size + 1) * param_bytes
-    return max(pipeline_layer_split(m.num_layers, config.parallel)) * per_layer
+    layers = max(pipeline_layer_split(config.model.num_layers, config.parallel))
+    return layers * qkv_parameters(config) * param_bytes
 
 
 def estimate_memory(config: Config) -> MemoryEstimate:

@@ -418,8 +418,8 @@ class ActorGroup:
             ).remote(config)
             for rank in range(self.world_size)
         ]
-        self._node_ids: Optional[list[str]] = None
-        self._engine_nodes: dict[tuple, list[str]] = {}
+        self._rank_places_cache: Optional[list[tuple[str, list[int]]]] = None
+        self._engine_places: dict[tuple, list[tuple[str, list[int]]]] = {}
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
         separate = separate_cpu_cores(config)  # ranks on cores of their own (async generation)
         rank_cores = separate[0] if separate else [None] * self.world_size
@@ -540,9 +540,9 @@ class ActorGroup:
 
     def _rank_places(self) -> list[tuple[str, list[int]]]:
         """Each rank's Ray node and GPUs (asked once: placement does not change during a run)."""
-        if self._node_ids is None:
-            self._node_ids = call_all([r.placement.remote() for r in self.ranks], "an actor rank", self.names)
-        return self._node_ids
+        if self._rank_places_cache is None:
+            self._rank_places_cache = call_all([r.placement.remote() for r in self.ranks], "an actor rank", self.names)
+        return self._rank_places_cache
 
     def _rank_nodes(self) -> list[str]:
         return [node for node, _ in self._rank_places()]
@@ -550,9 +550,9 @@ class ActorGroup:
     def _places_of(self, engines: list) -> list[tuple[str, list[int]]]:
         """Each engine's Ray node and GPUs, asked once per set of engines."""
         key = tuple(engines)
-        if key not in self._engine_nodes:
-            self._engine_nodes[key] = call_all([engine.placement.remote() for engine in engines], "a rollout engine")
-        return self._engine_nodes[key]
+        if key not in self._engine_places:
+            self._engine_places[key] = call_all([engine.placement.remote() for engine in engines], "a rollout engine")
+        return self._engine_places[key]
 
     def _nodes_of(self, engines: list) -> list[str]:
         return [node for node, _ in self._places_of(engines)]

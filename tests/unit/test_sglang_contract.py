@@ -257,11 +257,11 @@ def test_sampling_seed_only_with_deterministic_inference():
 def test_finish_reasons_and_stop_tokens():
     """SGLang reports abort as its own type, and stops on the request's stop_token_ids
     and on the model's EOS ids (the transformers engine stops on the same union)."""
-    batch = _functions("sglang/srt/managers/schedule_batch.py")
-    assert '"type": "abort"' in ast.unparse(batch["to_json"]) or "'type': 'abort'" in wheel().read(
-        "sglang/srt/managers/schedule_batch.py"
-    ).decode().replace('"', "'")
-    finish = ast.unparse(batch["_check_token_based_finish"])
+    path = "sglang/srt/managers/schedule_batch.py"
+    abort = find_class(parse(path), "FINISH_ABORT")
+    to_json = next(n for n in abort.body if isinstance(n, ast.FunctionDef) and n.name == "to_json")
+    assert "'type': 'abort'" in ast.unparse(to_json)
+    finish = ast.unparse(_functions(path)["_check_token_based_finish"])
     assert "self.sampling_params.stop_token_ids" in finish and "self.eos_token_ids" in finish
 
 
@@ -311,7 +311,11 @@ def test_tp_workers_unwrap_their_own_value_of_a_local_serialized_tensor():
     the Engine serializes the list once per TP rank and each worker reads its own."""
     updater = _functions("sglang/srt/model_executor/model_runner_components/weight_updater.py")
     assert "tensor = tensor.get(tp_rank)" in ast.unparse(updater["_unwrap_tensor"])
-    assert "MultiprocessingSerializer.deserialize(self.values[rank])" in ast.unparse(updater["get"])
+    local = find_class(
+        parse("sglang/srt/model_executor/model_runner_components/weight_updater.py"), "LocalSerializedTensor"
+    )
+    get = next(n for n in local.body if isinstance(n, ast.FunctionDef) and n.name == "get")
+    assert "MultiprocessingSerializer.deserialize(self.values[rank])" in ast.unparse(get)
     engine = ast.unparse(_functions("sglang/srt/entrypoints/engine.py")["_serialize_tensors_per_rank"])
     assert "MultiprocessingSerializer.serialize(tensors) for _ in range(get_parallel().tp_size)" in engine
     worker = ast.unparse(_functions("sglang/srt/managers/tp_worker.py")["deserialize_own_rank"])
