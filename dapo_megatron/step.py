@@ -210,6 +210,7 @@ class Stepper:
 
         # 5. Advantages by prompt identity; old log-probs; DAPO updates.
         batch = build_policy_batch(samples, a)
+        num_updates = d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size
         rollout_log_probs = engine_log_prob_grid(samples, batch)  # [batch, seq]
         # Release the engines' memory for training (colocated); not while they generate ahead.
         release = r.colocate and not self.asynchronous
@@ -221,7 +222,7 @@ class Stepper:
             batch.old_log_probs = rollout_log_probs  # the sampling policy is the old one
         else:
             with _timed(times, "old_log_prob"):
-                batch.old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature)
+                batch.old_log_probs, entropy = actor.compute_log_probs(batch, r.temperature, num_updates)
             mask = batch.response_mask()
             correction_metrics = {
                 f"rollout_mismatch/{k}": v
@@ -240,9 +241,7 @@ class Stepper:
                 )
                 correction_metrics.update({f"rollout_correction/{k}": v for k, v in applied.items()})
         with _timed(times, "train"):
-            updates = actor.train(
-                batch, d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size, r.temperature
-            )
+            updates = actor.train(batch, num_updates, r.temperature)
         self.version += 1
         if pending is not None:
             with _timed(times, "wait_for_generation"):

@@ -196,6 +196,19 @@ class MegatronActor:
             )
         return micro
 
+    def _update_micro_batches(self, batch: PolicyBatch, num_mini_batches: int) -> list[list[_MicroBatch]]:
+        """The micro-batches of each of ``batch``'s ``num_mini_batches`` mini-batches, with
+        their row indices into ``batch``: exactly what the updates of :meth:`train` run."""
+        minis = batch.split(num_mini_batches)
+        size = batch.num_rows // num_mini_batches
+        planned = []
+        for index, mini in enumerate(minis):
+            micro = self._micro_batches(mini)
+            for mb in micro:
+                mb.rows = mb.rows + index * size
+            planned.append(micro)
+        return planned
+
     def _log_probs_and_entropy(self, hidden: torch.Tensor, micro: _MicroBatch, temperature: float):
         """Label-grid ``[b, L]`` log-probs and entropies at the loss tokens of ``micro``."""
         selected = micro.loss_mask[:, 1:].bool()  # positions 1.. are predicted from 0..
@@ -242,14 +255,22 @@ class MegatronActor:
     # ------------------------------------------------------------------ public API
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: PolicyBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_probs(
+        self, batch: PolicyBatch, temperature: float = 1.0, num_mini_batches: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward-only log-probs and entropy of ``batch``'s loss tokens under the current weights.
+
+        ``batch`` and ``num_mini_batches`` are what :meth:`train` will receive: the pass
+        runs the very micro-batches of the updates (the same rows in the same padded
+        shapes, in the same order), so the first update recomputes each log-prob with the
+        same kernels on the same data and its ratio is exactly 1 on any CPU, whatever
+        its BLAS does with a different row count.
 
         Returns ``[batch, seq]`` fp32 grids (zero outside the loss tokens) on every rank.
         """
         batch.check_target_ids(self.model_config.vocab_size)
         self.ddp.eval()
-        micro = self._micro_batches(batch)
+        micro = [mb for mini in self._update_micro_batches(batch, num_mini_batches) for mb in mini]
 
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
@@ -319,16 +340,17 @@ class MegatronActor:
                 f"{invalid} response token id(s) on another data-parallel rank are outside the vocabulary of "
                 f"{vocab_size} ids"
             )
+        planned = self._update_micro_batches(batch, num_mini_batches)
         self.scheduler.step(1)
         self.rollout_step += 1
         metrics = []
-        for mini, (num_tokens, num_seqs) in zip(minis, counts.tolist()):
+        for micro, (num_tokens, num_seqs) in zip(planned, counts.tolist()):
             if num_tokens <= 0:
                 # Every row filtered out (e.g. all truncated under overlong filtering) on
                 # every rank: no update; counted, and the step goes on.
                 metrics.append(self._empty_update())
                 continue
-            metrics.append(self._update(mini, num_tokens, num_seqs, temperature))
+            metrics.append(self._update(micro, num_tokens, num_seqs, temperature))
         return metrics
 
     def _loss_and_gradients_finite(self, outputs: list[dict]) -> bool:
@@ -351,10 +373,9 @@ class MegatronActor:
         return metrics
 
     def _update(
-        self, mini: PolicyBatch, global_num_tokens: float, global_num_seqs: float, temperature: float
+        self, micro: list[_MicroBatch], global_num_tokens: float, global_num_seqs: float, temperature: float
     ) -> dict[str, float]:
         algo = self.algorithm
-        micro = self._micro_batches(mini)
 
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)

@@ -263,16 +263,18 @@ class _Bench:
         out: dict = {}
 
         def one() -> None:
-            out["log_probs"], _ = self.system.actor.compute_log_probs(self.batch, temperature)
+            out["log_probs"], _ = self.system.actor.compute_log_probs(
+                self.batch, temperature, self.batch.num_rows // self.config.data.mini_batch_size
+            )
 
         self._actor_phase("logprob", one, False, {})
         self.batch.old_log_probs = out["log_probs"]
 
     def train(self) -> None:
         temperature = self.config.rollout.temperature
-        if self.batch.old_log_probs is None:
-            self.batch.old_log_probs, _ = self.system.actor.compute_log_probs(self.batch, temperature)
         num_updates = self.batch.num_rows // self.config.data.mini_batch_size
+        if self.batch.old_log_probs is None:
+            self.batch.old_log_probs, _ = self.system.actor.compute_log_probs(self.batch, temperature, num_updates)
         self._actor_phase(
             "train",
             lambda: self.system.actor.train(self.batch, num_updates, temperature),

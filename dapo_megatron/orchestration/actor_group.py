@@ -213,14 +213,15 @@ class ActorRank:
         else:
             raise ValueError(f"unknown weight source {source!r}")
 
-    def compute_log_probs(self, batch: PolicyBatch, temperature: float):
+    def compute_log_probs(self, batch: PolicyBatch, temperature: float, num_mini_batches: int = 1):
         """This data-parallel rank's rows and their log-probs and entropies (reported by one
-        rank per data-parallel replica; None from the others)."""
+        rank per data-parallel replica; None from the others). The rows are the share
+        :meth:`train` gets with the same ``num_mini_batches``, in the same micro-batches."""
         from dapo_megatron.actor.batch import data_parallel_rows
 
         dp_size = self.actor.dp_group.size()
-        rows = data_parallel_rows(batch, self.info.dp_rank, dp_size)
-        log_probs, entropy = self.actor.compute_log_probs(batch.select(rows).trimmed(), temperature)
+        rows = data_parallel_rows(batch, self.info.dp_rank, dp_size, num_mini_batches)
+        log_probs, entropy = self.actor.compute_log_probs(batch.select(rows).trimmed(), temperature, num_mini_batches)
         if self.info.tp_rank == 0 and self.info.pp_rank == 0:
             return rows, log_probs, entropy
         return None
@@ -452,11 +453,16 @@ class ActorGroup:
         """Initial weights on every rank (``megatron`` checkpoint or ``hf`` folder)."""
         call_all([r.load_weights.remote(source, path) for r in self.ranks], "an actor rank", self.names)
 
-    def compute_log_probs(self, batch: PolicyBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, seq]`` log-probs and entropies of the loss tokens, reassembled."""
+    def compute_log_probs(
+        self, batch: PolicyBatch, temperature: float, num_mini_batches: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, seq]`` log-probs and entropies of the loss tokens, reassembled; computed
+        in the micro-batches of :meth:`train` with the same ``num_mini_batches``."""
         ref = ray.put(batch)
         parts = call_all(
-            [r.compute_log_probs.remote(ref, temperature) for r in self.ranks], "an actor rank", self.names
+            [r.compute_log_probs.remote(ref, temperature, num_mini_batches) for r in self.ranks],
+            "an actor rank",
+            self.names,
         )
         log_probs = torch.zeros(batch.tokens.shape, dtype=torch.float32)
         entropy = torch.zeros_like(log_probs)

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.actor.batch import shard_for_data_parallel
+from dapo_megatron.actor.batch import data_parallel_rows, shard_for_data_parallel
 from dapo_megatron.actor.checkpoint import load_hf_model_weights
 from dapo_megatron.actor.megatron_actor import MegatronActor
 from dapo_megatron.actor.weight_sync import iter_hf_tensors
@@ -33,6 +33,34 @@ def reference_batch():
     batch = make_batch(21, RESPONSE_LENGTHS, PROMPT_LENGTHS)
     batch.tokens %= VOCAB
     return batch
+
+
+class RowCountDependentGemms(torch.overrides.TorchFunctionMode):
+    """A BLAS whose results depend on how many rows a GEMM has, as some CPUs' kernels do
+    (an AMD EPYC machine gave old and new log-probs 1.2e-8 apart): every matmul's output
+    is scaled by ``1 + 1e-6 * (rows % 7)``. Code whose exactness holds only when the
+    kernels happen to be row-independent fails under it."""
+
+    GEMMS = (torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.nn.functional.linear)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.GEMMS and isinstance(out, torch.Tensor) and out.dim() >= 2:
+            rows = out.numel() // max(out.shape[-1], 1)
+            out = out * (1 + 1e-6 * (rows % 7))
+        return out
+
+
+def old_log_probs_as_trained(actor, batch, dp_rank: int, dp_size: int):
+    """The whole batch's old log-probs as the trainer computes them: each data-parallel
+    replica computes its share in the micro-batches of its updates; the shares are
+    gathered (each row comes from exactly one replica)."""
+    rows = data_parallel_rows(batch, dp_rank, dp_size, NUM_MINI_BATCHES)
+    log_probs, _ = actor.compute_log_probs(batch.select(rows), num_mini_batches=NUM_MINI_BATCHES)
+    full = torch.zeros(batch.tokens.shape)
+    full[rows] = log_probs
+    dist.all_reduce(full, group=actor.dp_group)
+    return full
 
 
 def _full_gradients_in_buffers(actor) -> None:
@@ -78,7 +106,14 @@ def correction_weights_for(batch) -> torch.Tensor:
     return weights * (torch.rand(weights.shape, generator=gen) > 0.2).float()
 
 
-def dapo_step_with_gradients(workdir: str, tp_size: int, pp_size: int, dp_size: int, weighted: bool = False) -> None:
+def dapo_step_with_gradients(
+    workdir: str, tp_size: int, pp_size: int, dp_size: int, weighted: bool = False, row_dependent_gemms: bool = False
+) -> None:
+    """``row_dependent_gemms``: run the whole step under :class:`RowCountDependentGemms`
+    (only the first update's ratio is then checked)."""
+    if row_dependent_gemms:
+        with RowCountDependentGemms():
+            return dapo_step_with_gradients(workdir, tp_size, pp_size, dp_size, weighted)
     cfg = actor_config(tp_size, pp_size, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
     cfg.parallel.use_distributed_optimizer = True
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
@@ -87,7 +122,8 @@ def dapo_step_with_gradients(workdir: str, tp_size: int, pp_size: int, dp_size: 
             actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
             load_hf_model_weights(actor, os.path.join(workdir, f"hf_tied{int(tied)}"))
             batch = reference_batch()
-            batch.old_log_probs, _ = actor.compute_log_probs(batch)  # on-policy: the first ratio is 1
+            # On-policy: the first update's ratio is exactly 1.
+            batch.old_log_probs = old_log_probs_as_trained(actor, batch, info.dp_rank, dp_size)
             if weighted:
                 batch.token_weights = correction_weights_for(batch)
             captured: list[dict[str, torch.Tensor]] = []

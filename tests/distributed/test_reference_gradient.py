@@ -96,7 +96,7 @@ def test_dapo_gradients_equal_an_independent_float64_reference(tmp_path, tp_size
             assert (weights == 0).any() and (weights == 1.3).any() and ((weights > 0) & (weights < 1)).any()
         assert len(metrics) == reference_worker.NUM_MINI_BATCHES and all(m["num_micro_batches"] >= 2 for m in metrics)
         # On-policy, the first mini-batch's ratio is exactly 1: old and new log-probs are
-        # the same computation on the same weights.
+        # the same computation (the same micro-batches, shapes and order) on the same weights.
         assert metrics[0]["ratio_mean"] == 1.0 and metrics[0]["ratio_max"] == 1.0, metrics[0]
         assert metrics[0]["pg_clipfrac_low"] == metrics[0]["pg_clipfrac_high"] == 0.0
         rows_per_mini = batch.num_rows // reference_worker.NUM_MINI_BATCHES
@@ -125,3 +125,20 @@ def test_dapo_gradients_equal_an_independent_float64_reference(tmp_path, tp_size
                 got = actor_gradients[name].double()
                 error = (got - expected).norm() / expected.norm()
                 assert error <= RELATIVE_TOLERANCE, (tied, index, name, float(error))
+
+
+def test_first_ratio_is_exactly_one_whatever_the_gemm_kernels(tmp_path):
+    """The first update's ratio is 1 by construction, not by a BLAS whose row results do
+    not depend on the row count: under GEMMs that scale their output by the number of
+    rows (:class:`reference_worker.RowCountDependentGemms`), at the layouts that failed on
+    an AMD EPYC machine, the ratio is still exactly 1. (Old log-probs computed over the
+    whole batch, not in the updates' micro-batches, give 1.0000001 here.)"""
+    for tied in (False, True):
+        tiny_hf_qwen2(tied, seed=3 + tied, attn_implementation="eager").save_pretrained(
+            tmp_path / f"hf_tied{int(tied)}"
+        )
+    launch_local(reference_worker.dapo_step_with_gradients, 4, (str(tmp_path), 1, 2, 2, False, True))
+    for tied in (0, 1):
+        metrics = torch.load(tmp_path / f"ref_tied{tied}_stage1.pt")["metrics"]
+        assert metrics[0]["ratio_mean"] == 1.0 and metrics[0]["ratio_max"] == 1.0, metrics[0]
+        assert metrics[1]["ratio_max"] > 1.0  # the second update is off-policy
