@@ -9,7 +9,6 @@ identity*, never by position. No Ray, no ranks: it is tested on its own.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
@@ -53,8 +52,9 @@ class Sample:
     prediction: Optional[str] = None
     """The answer the reward function read from the response, when it reports one."""
     policy_version: int = 0
-    """The actor step whose weights the engine sampled with (0: the initial weights);
-    the trainer refuses to train on a sample more than one step behind the actor."""
+    """The actor step whose weights the engine sampled with (0: the initial weights), as
+    the engine reported it; the trainer refuses to train on a sample more than one step
+    behind the actor."""
 
     @property
     def reward(self) -> float:
@@ -79,6 +79,7 @@ def samples_from_generations(
                 engine_log_probs=list(generation.log_probs),
                 finish_reason=generation.finish_reason,
                 text=text,
+                policy_version=generation.weight_version,
             )
         )
     return samples
@@ -206,21 +207,74 @@ def validation_metrics(samples: list[Sample], num_samples: int) -> dict[str, flo
     return metrics
 
 
-def samples_to_json(samples: list[Sample]) -> list[dict]:
-    """Samples as plain JSON values (a batch generated ahead, kept in a checkpoint)."""
-    rows = []
-    for sample in samples:
-        row = dataclasses.asdict(sample)
-        row["prompt"]["token_ids"] = list(sample.prompt.token_ids)
-        row["group_id"] = list(sample.group_id)
-        rows.append(row)
-    return rows
+def save_samples(path, samples: list[Sample], extra: dict) -> None:
+    """Write ``samples`` (and ``extra``: plain numbers and strings) to ``path`` in a binary
+    format: token ids and log-probs as flat tensors with their lengths, each prompt once,
+    the per-sample numbers as tensors, the strings as lists. Read back bitwise by
+    :func:`load_samples` (``torch.load`` with ``weights_only``: no code is unpickled)."""
+    prompts = {s.prompt.prompt_id: s.prompt for s in samples}
+
+    def flat(sequences, dtype):
+        lengths = torch.tensor([len(x) for x in sequences], dtype=torch.int64)
+        values = torch.tensor([v for x in sequences for v in x], dtype=dtype)
+        return values, lengths
+
+    response_ids, response_lengths = flat([s.response_ids for s in samples], torch.int64)
+    # float64 keeps each log-prob exactly as the engine reported it (a Python float).
+    log_probs, _ = flat([s.engine_log_probs for s in samples], torch.float64)
+    prompt_ids, prompt_lengths = flat([p.token_ids for p in prompts.values()], torch.int64)
+    record = {
+        "format": 1,
+        "extra": extra,
+        "prompts": {
+            "prompt_id": list(prompts),
+            "token_ids": prompt_ids,
+            "lengths": prompt_lengths,
+            **{key: [getattr(p, key) for p in prompts.values()] for key in ("ground_truth", "data_source", "text")},
+        },
+        "response_ids": response_ids,
+        "response_lengths": response_lengths,
+        "engine_log_probs": log_probs,
+        "group_id": torch.tensor([list(s.group_id) for s in samples], dtype=torch.int64).reshape(-1, 2),
+        "prompt_id": torch.tensor([s.prompt.prompt_id for s in samples], dtype=torch.int64),
+        **{key: torch.tensor([getattr(s, key) for s in samples], dtype=torch.float64) for key in _FLOAT_FIELDS},
+        **{key: torch.tensor([getattr(s, key) for s in samples], dtype=torch.int64) for key in _INT_FIELDS},
+        **{key: [getattr(s, key) for s in samples] for key in _STR_FIELDS},
+    }
+    torch.save(record, path)
 
 
-def samples_from_json(rows: list[dict]) -> list[Sample]:
-    """The inverse of :func:`samples_to_json`."""
-    samples = []
-    for row in rows:
-        prompt = Prompt(**{**row["prompt"], "token_ids": tuple(row["prompt"]["token_ids"])})
-        samples.append(Sample(**{**row, "prompt": prompt, "group_id": tuple(row["group_id"])}))
-    return samples
+_FLOAT_FIELDS = ("score", "overlong_penalty")
+_INT_FIELDS = ("correct", "timed_out", "reward_error", "policy_version")
+_STR_FIELDS = ("finish_reason", "text", "prediction")
+
+
+def load_samples(path) -> tuple[list[Sample], dict]:
+    """The samples and ``extra`` that :func:`save_samples` wrote to ``path``."""
+    record = torch.load(path, weights_only=True)
+    if record.get("format") != 1:
+        raise ValueError(f"{path}: not a batch of samples written by this version (format {record.get('format')})")
+    p = record["prompts"]
+    prompts, start = {}, 0
+    for index, (prompt_id, length) in enumerate(zip(p["prompt_id"], p["lengths"].tolist())):
+        token_ids = tuple(p["token_ids"][start : start + length].tolist())
+        start += length
+        prompts[prompt_id] = Prompt(
+            prompt_id, token_ids, p["ground_truth"][index], p["data_source"][index], p["text"][index]
+        )
+    samples, start = [], 0
+    for i, length in enumerate(record["response_lengths"].tolist()):
+        samples.append(
+            Sample(
+                group_id=tuple(record["group_id"][i].tolist()),
+                prompt=prompts[int(record["prompt_id"][i])],
+                response_ids=record["response_ids"][start : start + length].tolist(),
+                engine_log_probs=record["engine_log_probs"][start : start + length].tolist(),
+                **{key: record[key][i] for key in _STR_FIELDS},
+                **{key: float(record[key][i]) for key in _FLOAT_FIELDS},
+                **{key: int(record[key][i]) for key in _INT_FIELDS if key == "policy_version"},
+                **{key: bool(record[key][i]) for key in _INT_FIELDS if key != "policy_version"},
+            )
+        )
+        start += length
+    return samples, record["extra"]

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,13 +38,12 @@ from dapo_megatron.experience import (
     engine_log_prob_grid,
     response_metrics,
     samples_from_generations,
-    samples_from_json,
-    samples_to_json,
 )
 from dapo_megatron.orchestration.actor_group import ActorGroup
+from dapo_megatron.orchestration.calls import cause_of
 from dapo_megatron.orchestration.cluster import RayCluster
-from dapo_megatron.orchestration.rollout import RolloutWorkers, engine_seed
-from dapo_megatron.rollout.engine import SamplingParams, SyncStats
+from dapo_megatron.orchestration.rollout import RolloutWorkers
+from dapo_megatron.rollout.engine import SamplingParams, SyncStats, sampling_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +96,15 @@ class System:
     rewards: RewardPool
     stop: StopRequest
 
-    def sync_engines(self) -> SyncStats:
-        """The actor's current weights into every engine."""
+    def sync_engines(self, version: int) -> SyncStats:
+        """The actor's current weights into every engine, which from then on stamp what
+        they generate with ``version`` (the actor step the weights come from)."""
         r = self.config.rollout
-        return self.actor.sync_weights(
+        stats = self.actor.sync_weights(
             self.engines.handles, r.weight_sync_bucket_mb * 2**20, self.engines.num_update_ranks
         )
+        self.engines.set_weight_version(version)
+        return stats
 
 
 def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
@@ -127,6 +130,14 @@ def training_sampling(config: Config, tokenizer) -> SamplingParams:
     return SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, (tokenizer.eos_token_id,))
 
 
+def round_sampling(
+    sampling: SamplingParams, seed: int, step: int, round_index: int, num_prompts: int, n: int
+) -> SamplingParams:
+    """``sampling`` with a seed of its own for every response row of generation round
+    ``round_index`` of ``step`` (see :func:`sampling_seeds`)."""
+    return replace(sampling, seed=None, row_seeds=sampling_seeds(seed, step, round_index, num_prompts, n))
+
+
 class StaleBatch(RuntimeError):
     """A batch sampled more than one step before the actor's weights (or after them)."""
 
@@ -145,6 +156,36 @@ def check_staleness(samples: list[Sample], version: int, step: int) -> list[int]
     return staleness
 
 
+class GenerationAheadFailed(RuntimeError):
+    """Generating the next step's batch in the background failed; the step that ran
+    meanwhile was trained (and is saved before this is raised)."""
+
+    def __init__(self, step: int, cause: BaseException, checkpoint: Optional[str] = None) -> None:
+        saved = f"; step {step - 1} was trained and saved in {checkpoint} (--resume continues from it)"
+        super().__init__(
+            f"generating step {step}'s batch (during step {step - 1}) failed: {cause_of(cause)}"
+            + (saved if checkpoint else "")
+        )
+        self.step, self.cause, self.checkpoint = step, cause, checkpoint
+
+
+def _in_background(function, *args) -> Future:
+    """``function(*args)`` in a daemon thread: nothing waits for it at shutdown (after an
+    error or Ctrl-C the engines are stopped, which ends its remote calls)."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(function(*args))
+        except BaseException as exc:  # handed to whoever waits for the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="generate-ahead", daemon=True).start()
+    return future
+
+
 class Stepper:
     """Runs DAPO steps 1-6 (see :mod:`dapo_megatron.trainer`) on a started :class:`System`.
 
@@ -153,8 +194,14 @@ class Stepper:
     engines hold, the actor's before step k's update) runs in a background thread while
     the actor trains on step k's; the step waits for it before the weight sync, so
     between steps nothing is in flight, and the batch generated ahead is part of the
-    state a checkpoint keeps (:meth:`state_dict`). Every sample records the policy
-    version it was sampled with; a batch more than one step behind the actor is refused.
+    state a checkpoint keeps (:meth:`state_dict`). Every sample carries the weight version
+    its engine reports having sampled it with; a batch more than one step behind the
+    actor is refused.
+
+    A failure of the generation ahead does not cost the step that ran meanwhile: the
+    step finishes without a weight sync (the engines are suspect), its metrics are
+    returned, and :attr:`failed_ahead` holds the error for the trainer to raise after
+    it has logged and saved the step (or, at the last step, to report and go on).
     """
 
     def __init__(
@@ -165,16 +212,16 @@ class Stepper:
         self.asynchronous = self.config.trainer.async_generation
         self.version = version  # the actor's weights: the number of steps trained
         self.ahead: Optional[tuple[list[Sample], dict[str, float], dict[str, float]]] = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="generate-ahead") if self.asynchronous else None
+        self.failed_ahead: Optional[GenerationAheadFailed] = None
+        self.engines_behind = False  # the last step's sync was skipped
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        """Nothing to wait for: a generation still running ahead is abandoned (its thread
+        is a daemon; stopping the engines ends its calls)."""
 
-    def _generate(self, step: int, version: int) -> tuple[list[Sample], dict[str, float], dict[str, float]]:
-        """Step ``step``'s batch with the engines' current weights (the actor's of
-        ``version``, read before any thread moves it on), its rollout metrics and the
-        seconds of its phases."""
+    def _generate(self, step: int) -> tuple[list[Sample], dict[str, float], dict[str, float]]:
+        """Step ``step``'s batch with the engines' current weights, its rollout metrics
+        and the seconds of its phases."""
         times: dict[str, float] = {}
         samples, metrics = _collect_groups(
             self.system.engines,
@@ -186,9 +233,13 @@ class Stepper:
             step,
             times,
         )
-        for sample in samples:
-            sample.policy_version = version
         return samples, metrics, times
+
+    def sync(self) -> SyncStats:
+        """The actor's weights into the engines (after a step that skipped its sync)."""
+        stats = self.system.sync_engines(self.version)
+        self.engines_behind = False
+        return stats
 
     def step(self, step: int, generate_ahead: bool) -> dict[str, float]:
         """One step; its metrics, with each phase's seconds (``time/<phase>``), the whole
@@ -199,14 +250,14 @@ class Stepper:
         config, actor, engines = self.config, self.system.actor, self.system.engines
         r, a, d = config.rollout, config.algorithm, config.data
         start = time.perf_counter()
+        if self.failed_ahead is not None or self.engines_behind:
+            raise RuntimeError("step() after a failed generation ahead: the engines were not synced")
         if self.ahead is not None:
             (samples, rollout_metrics, times), self.ahead = self.ahead, None
         else:
-            samples, rollout_metrics, times = self._generate(step, self.version)
+            samples, rollout_metrics, times = self._generate(step)
         staleness = check_staleness(samples, self.version, step)
-        pending = (
-            self._pool.submit(self._generate, step + 1, self.version) if self.asynchronous and generate_ahead else None
-        )
+        pending = _in_background(self._generate, step + 1) if self.asynchronous and generate_ahead else None
 
         # 5. Advantages by prompt identity; old log-probs; DAPO updates.
         batch = build_policy_batch(samples, a)
@@ -245,13 +296,21 @@ class Stepper:
         self.version += 1
         if pending is not None:
             with _timed(times, "wait_for_generation"):
-                self.ahead = pending.result()
+                try:
+                    self.ahead = pending.result()
+                except Exception as exc:
+                    logger.error("step %d: generating step %d's batch failed: %s", step, step + 1, cause_of(exc))
+                    self.failed_ahead = GenerationAheadFailed(step + 1, exc)
 
-        # 6. Weight sync into every engine.
+        # 6. Weight sync into every engine (not into engines whose generation just failed).
         if release:
             engines.resume_memory()
-        with _timed(times, "sync"):
-            sync = self.system.sync_engines()
+        sync = SyncStats(0.0, 0, 0, 0)
+        if self.failed_ahead is None:
+            with _timed(times, "sync"):
+                sync = self.sync()
+        else:
+            self.engines_behind = True
         metrics = {
             **rollout_metrics,
             **_step_metrics(samples, batch, rollout_log_probs, entropy, updates, sync, times),
@@ -264,17 +323,19 @@ class Stepper:
             metrics["time/outside_phases"] = metrics["time/step"] - sum(times.values())
         return metrics
 
-    def state_dict(self) -> dict:
-        """The batch generated ahead (async mode), as JSON values; empty when none."""
-        if self.ahead is None:
-            return {}
-        samples, metrics, times = self.ahead
-        return {"samples": samples_to_json(samples), "metrics": metrics, "times": times}
+    def take_failure(self) -> Optional[GenerationAheadFailed]:
+        """The failure of the last step's generation ahead, if any (then cleared; the
+        engines still need :meth:`sync` before another step)."""
+        failure, self.failed_ahead = self.failed_ahead, None
+        return failure
 
-    def load_state_dict(self, state: dict) -> None:
-        self.ahead = None
-        if state:
-            self.ahead = (samples_from_json(state["samples"]), state["metrics"], state["times"])
+    def state_dict(self) -> Optional[tuple[list[Sample], dict[str, float], dict[str, float]]]:
+        """The batch generated ahead (async mode): samples, rollout metrics, phase seconds;
+        None when there is none."""
+        return self.ahead
+
+    def load_state_dict(self, state: Optional[tuple[list[Sample], dict[str, float], dict[str, float]]]) -> None:
+        self.ahead = state
 
 
 @contextmanager
@@ -308,7 +369,7 @@ def _collect_groups(
     round_index = 0
     while not accumulator.is_full:
         prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
-        params = replace(sampling, seed=engine_seed(r.seed, step, round_index))
+        params = round_sampling(sampling, r.seed, step, round_index, len(prompts), r.n_samples_per_prompt)
         samples = generate_and_score(
             engines, rewards, prompts, params, r.n_samples_per_prompt, round_index, config, tokenizer, times
         )

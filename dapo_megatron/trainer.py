@@ -30,14 +30,11 @@ from dapo_megatron.actor.checkpoint import checkpoint_dir
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir, hf_weights_folder
 from dapo_megatron.data import PromptDataset, PromptLoader, load_tokenizer, validation_dataset
-from dapo_megatron.experience import (
-    Sample,
-    validation_metrics,
-)
+from dapo_megatron.experience import Sample, load_samples, save_samples, validation_metrics
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.rollout.engine import SamplingParams
-from dapo_megatron.step import Stepper, generate_and_score, start_system, training_sampling
+from dapo_megatron.step import GenerationAheadFailed, Stepper, generate_and_score, start_system, training_sampling
 from dapo_megatron.tracking import MetricsLogger
 
 logger = logging.getLogger(__name__)
@@ -166,7 +163,7 @@ def train(
         else:
             load_initial_weights(actor, config)
         # The engines start from the actor's weights: both sides hold the same policy.
-        system.sync_engines()
+        system.sync_engines(start_step)
 
         def validate(step: int) -> Optional[float]:
             if val_data is None:
@@ -179,16 +176,35 @@ def train(
         last_checkpoint = str(resume_from[0]) if resume_from else None
 
         def save(step: int) -> str:
-            """The actor's checkpoint of ``step``, with the trainer's state inside it."""
-            state = _trainer_state(step, loader, config, len(train_data.prompts), stepper.state_dict())
-            return actor.save(save_dir, config.checkpoint.keep_last, {TRAINER_STATE: state})
+            """The actor's checkpoint of ``step``, with the trainer's state inside it, and
+            the batch generated ahead (async) written once by the driver, in binary."""
+            ahead, moved = stepper.state_dict(), {}
+            if ahead is not None:
+                partial = Path(save_dir) / f".{GENERATED_AHEAD}.step_{step}.partial"
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                samples, rollout_metrics, times = ahead
+                save_samples(partial, samples, {"metrics": rollout_metrics, "times": times})
+                moved[GENERATED_AHEAD] = str(partial)
+            state = _trainer_state(step, loader, config, len(train_data.prompts), GENERATED_AHEAD if moved else None)
+            try:
+                return actor.save(save_dir, config.checkpoint.keep_last, {TRAINER_STATE: state}, moved)
+            finally:
+                for path in moved.values():
+                    Path(path).unlink(missing_ok=True)  # moved in by a successful save
 
         val_after = val_before
         bad_steps = BadStepCounter(config.trainer.max_bad_steps_in_a_row)
         stepper = Stepper(system, loader, sampling, tokenizer, version=start_step)
         stack.callback(stepper.close)
-        if resume_from is not None:
-            stepper.load_state_dict(resume_from[1].get("generated_ahead", {}))
+        ahead_file = resume_from[1].get("generated_ahead") if resume_from is not None else None
+        if ahead_file is not None and not isinstance(ahead_file, str):
+            raise ConfigError(
+                f"{resume_from[0]}: its batch generated ahead is in the JSON format of an earlier version; resume it "
+                "with that version, or start a new run from its weights (checkpoint.load_dir, without --resume)"
+            )
+        if ahead_file:
+            samples, extra = load_samples(resume_from[0] / ahead_file)
+            stepper.load_state_dict((samples, extra["metrics"], extra["times"]))
         for step in range(start_step + 1, config.trainer.num_steps + 1):
             due = config.checkpoint.save_every and (
                 step % config.checkpoint.save_every == 0 or step == config.trainer.num_steps
@@ -198,11 +214,19 @@ def train(
             # also at the last step when it saves, so that a continued run is the same.
             step_metrics = stepper.step(step, generate_ahead=step < config.trainer.num_steps or bool(due))
 
-            # 7. Metrics, checkpoint, validation.
+            # 7. Metrics, checkpoint, validation. A failed generation ahead costs nothing
+            # of this step: it is logged and saved first.
+            failed = stepper.take_failure()
             metrics_log.log(step, step_metrics)
             bad_steps.record(step, step_metrics, last_checkpoint)
-            if due or stop.signal_name is not None:
+            if due or stop.signal_name is not None or failed is not None:
                 last_checkpoint = save(step)
+            if failed is not None and step < config.trainer.num_steps:
+                raise GenerationAheadFailed(failed.step, failed.cause, checkpoint=last_checkpoint) from failed.cause
+            if failed is not None:
+                # The last step's batch ahead was only for the checkpoint: training is done.
+                logger.warning("%s; training is complete and saved in %s", failed, last_checkpoint)
+                stepper.sync()  # the engines serve the final weights for validation and export
             if stop.signal_name is not None:
                 raise Preempted(stop.signal_name, step, last_checkpoint)
             if config.trainer.val_every and step % config.trainer.val_every == 0 and step != config.trainer.num_steps:
@@ -300,21 +324,40 @@ def export_hf(checkpoint: str | Path, config: Config, out: Path) -> None:
 TRAINER_STATE = "trainer_state.json"
 """The trainer's own state, inside each actor checkpoint (written before it is published)."""
 
+GENERATED_AHEAD = "generated_ahead.pt"
+"""Async generation: the next step's batch, in each checkpoint that has one (binary,
+written once by the driver; see :func:`dapo_megatron.experience.save_samples`)."""
 
-def _trainer_state(step: int, loader: PromptLoader, config: Config, num_prompts: int, ahead: dict) -> str:
+RESUME_KEYS = (
+    "data.seed",
+    "data.shuffle",
+    "data.train_batch_size",
+    "data.gen_batch_size",
+    "rollout.n_samples_per_prompt",
+)
+"""Settings the saved data position and batches depend on: a resume must keep them."""
+
+
+def _setting(config: Config, dotted: str):
+    section, key = dotted.split(".")
+    return getattr(getattr(config, section), key)
+
+
+def _trainer_state(step: int, loader: PromptLoader, config: Config, num_prompts: int, ahead: Optional[str]) -> str:
     """What a resumed run needs besides the actor: the step, the data position, what the
-    rollout seeds derive from, and (async generation) the next step's batch, generated
-    during this one with weights the checkpoint no longer holds. Generation seeds are a
-    function of (rollout.seed, step, round), and dynamic sampling drops its surplus at the
-    end of every step, so no sampler state or other leftover samples need saving."""
+    rollout seeds derive from and the settings the data position depends on, and (async
+    generation) the name of the file that holds the next step's batch, generated during
+    this one with weights the checkpoint no longer holds. Generation seeds are a function
+    of (rollout.seed, step, round, prompt, sample), and dynamic sampling drops its surplus
+    at the end of every step, so no sampler state or other leftover samples need saving."""
     return json.dumps(
         {
             "step": step,
             "data": loader.state_dict(),
             "num_prompts": num_prompts,
             "rollout_seed": config.rollout.seed,
+            "settings": {key: _setting(config, key) for key in RESUME_KEYS},
             "metrics_step": step,
-            # async_generation: the next step's batch, generated during this step
             "generated_ahead": ahead,
         },
         indent=1,
@@ -360,6 +403,17 @@ def _check_resumable(resume_from: tuple[Path, dict], config: Config, num_prompts
         raise ConfigError(
             f"{path}: the run was saved with {state['num_prompts']} training prompts but data.train_files now hold "
             f"{num_prompts}; its data position would be meaningless. Resume with the same data.train_files"
+        )
+    changed = [
+        f"{key}={_setting(config, key)!r} (saved with {saved!r})"
+        for key, saved in state.get("settings", {}).items()
+        if _setting(config, key) != saved
+    ]
+    if changed:
+        raise ConfigError(
+            f"{path}: " + ", ".join(changed) + ": the saved data position and batches depend on these settings, so "
+            "the resumed run would not continue the saved one; resume with the saved values (or start a new run "
+            "from this checkpoint's weights with checkpoint.load_dir and without --resume)"
         )
     if state["rollout_seed"] != config.rollout.seed:
         logger.warning(

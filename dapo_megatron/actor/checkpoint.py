@@ -164,14 +164,20 @@ class CheckpointWriteError(OSError):
 
 
 def save_checkpoint(
-    actor, save_dir: str | os.PathLike, keep_last: int = 0, extra_files: Optional[dict[str, str]] = None
+    actor,
+    save_dir: str | os.PathLike,
+    keep_last: int = 0,
+    extra_files: Optional[dict[str, str]] = None,
+    moved_files: Optional[dict[str, str]] = None,
 ) -> Path:
     """Save the actor at its current rollout step; returns the checkpoint folder.
 
     All ranks of the actor must call it. ``keep_last > 0`` deletes older checkpoints
     beyond that many after the save succeeded. ``extra_files`` (name -> text, e.g. the
     trainer's own state) are written into the checkpoint before it is published, so a
-    checkpoint that ``latest`` names always has them.
+    checkpoint that ``latest`` names always has them; ``moved_files`` (name -> path of a
+    file the caller wrote on the checkpoint's file system, e.g. the batch generated ahead)
+    are moved in by rank 0 at the same moment (only their path travels to the ranks).
     """
     from megatron.core import dist_checkpointing
 
@@ -212,6 +218,8 @@ def save_checkpoint(
     if rank == 0:
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text)
+        for name, source in (moved_files or {}).items():
+            shutil.move(source, staging / name)
         if final.exists():
             shutil.rmtree(final)
         staging.rename(final)

@@ -30,7 +30,7 @@ import statistics
 import tempfile
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -185,13 +185,12 @@ class _Bench:
     # ------------------------------------------------------------------ phases
 
     def _prompts(self, round_index: int):
-        from dapo_megatron.orchestration.rollout import engine_seed
-        from dapo_megatron.step import training_sampling
+        from dapo_megatron.step import round_sampling, training_sampling
 
         d, r = self.config.data, self.config.rollout
         prompts = self.loader.next_batch(d.gen_batch_size or d.train_batch_size)
-        params = replace(training_sampling(self.config, self.tokenizer), seed=engine_seed(r.seed, 0, round_index))
-        return prompts, params
+        sampling = training_sampling(self.config, self.tokenizer)
+        return prompts, round_sampling(sampling, r.seed, 0, round_index, len(prompts), r.n_samples_per_prompt)
 
     def generate(self, measure: bool) -> None:
         """A generation batch (measured or not), generated and scored as the trainer does;
@@ -287,7 +286,7 @@ class _Bench:
         stats = []
 
         def one() -> None:
-            stats.append(self.system.sync_engines())
+            stats.append(self.system.sync_engines(0))
 
         with self._peak_memory(record):
             self._repeat(one)
@@ -422,7 +421,7 @@ def run_bench(config: Config, options: BenchOptions) -> dict:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dapo-bench-")))
         system = start_system(config, work, stack)
         load_initial_weights(system.actor, config)
-        system.sync_engines()  # the engines serve the actor's weights, as in a run
+        system.sync_engines(0)  # the engines serve the actor's weights, as in a run
         bench = _Bench(config, options, system, data)
         bench.ceilings()
         if {"logprob", "train"} & set(phases) or "generate" in phases:

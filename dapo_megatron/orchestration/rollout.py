@@ -33,7 +33,7 @@ import torch
 from dapo_megatron.config import Config, hf_weights_folder
 from dapo_megatron.orchestration.calls import call_all, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
-from dapo_megatron.rollout.engine import Generation, SamplingParams
+from dapo_megatron.rollout.engine import Generation, SamplingParams, sampling_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class EngineWorker:
             torch.set_num_threads(num_threads)
         self.config, self.index, self.weights_dir = config, index, weights_dir
         self.engine = None
+        self.weight_version = -1  # the actor step of the weights last synced in (-1: none yet)
         self.gpus: list[int] = []
         self.receiver = BucketReceiver()
 
@@ -79,7 +80,18 @@ class EngineWorker:
         self.engine = _build_engine(self.config, self.index, self.weights_dir, base_gpu_id or 0)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Generation]:
-        return self.engine.generate(prompts, params, n)
+        """The engine's responses, each stamped with the weight version it was sampled
+        with (the version this worker holds now: a sync cannot run during a generation,
+        the worker's calls run one at a time)."""
+        version = self.weight_version
+        generations = self.engine.generate(prompts, params, n)
+        for generation in generations:
+            generation.weight_version = version
+        return generations
+
+    def set_weight_version(self, version: int) -> None:
+        """Record which actor step the weights just synced in come from."""
+        self.weight_version = version
 
     def node_id(self) -> str:
         """The Ray node this engine runs on (it is fed by an actor rank on the same node)."""
@@ -263,14 +275,23 @@ class RolloutWorkers:
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Generation]:
         """``n`` responses per prompt, in prompt order; prompts spread over the engines.
 
-        Each engine gets a contiguous share and its own seed (``params.seed + index``).
+        Each engine gets a contiguous share and its rows' seeds: ``params.row_seeds``, or,
+        for a request with one ``params.seed``, :func:`sampling_seeds` of it (distinct
+        for every row whichever engine samples it).
         """
         shares = _split(len(prompts), len(self.engines))
+        row_seeds = params.row_seeds
+        if row_seeds is None and params.seed is not None:
+            row_seeds = sampling_seeds(params.seed, 0, 0, len(prompts), n)
+        if row_seeds is not None and len(row_seeds) != len(prompts) * n:
+            raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts x {n} samples")
         refs, offsets, names = [], [], []
         for index, (start, stop) in enumerate(shares):
             if start == stop:
                 continue
-            engine_params = replace(params, seed=None if params.seed is None else params.seed + index)
+            engine_params = params
+            if row_seeds is not None:
+                engine_params = replace(params, seed=None, row_seeds=tuple(row_seeds[start * n : stop * n]))
             refs.append(self.engines[index].generate.remote(prompts[start:stop], engine_params, n))
             offsets.append(start)
             names.append(self.names[index])
@@ -280,6 +301,10 @@ class RolloutWorkers:
                 generation.prompt_index += offset
                 results.append(generation)
         return results
+
+    def set_weight_version(self, version: int) -> None:
+        """Tell every engine the actor step of the weights it now holds (after a sync)."""
+        call_all([e.set_weight_version.remote(version) for e in self.engines], "a rollout engine", self.names)
 
     def release_memory(self) -> None:
         call_all([engine.release_memory.remote() for engine in self.engines], "a rollout engine", self.names)
@@ -311,8 +336,3 @@ def _split(total: int, parts: int) -> list[tuple[int, int]]:
         ranges.append((start, stop))
         start = stop
     return ranges
-
-
-def engine_seed(base: Optional[int], step: int, round_index: int) -> Optional[int]:
-    """A distinct, reproducible sampler seed for each step and generation round."""
-    return None if base is None else base + 1_000_003 * step + 1009 * round_index

@@ -37,7 +37,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a response (kept as its last token); reason ``stop``."""
     seed: Optional[int] = None
-    """Seed of the sampler, for reproducible rollouts."""
+    """Seed of the sampler, for reproducible rollouts (one for the whole request; rows
+    derive theirs from it unless ``row_seeds`` is given)."""
+    row_seeds: Optional[tuple[int, ...]] = None
+    """One seed per response row (prompt-major: the ``n`` rows of prompt 0 first), from
+    :func:`sampling_seeds`: distinct for every (step, round, prompt, sample) of a run. An
+    engine that samples rows with their own seeds (SGLang) uses them; one that seeds a
+    whole request (transformers) uses the first."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
@@ -45,6 +51,44 @@ class SamplingParams:
                 f"bad sampling parameters: temperature={self.temperature} (>= 0), top_p={self.top_p} "
                 f"(in (0, 1]), max_new_tokens={self.max_new_tokens} (>= 1)"
             )
+
+
+SEED_FIELD_BITS = {"step": 24, "round": 10, "prompt": 17, "sample": 12}
+"""Bits of each field of a row's sampling seed (63 in all: SGLang takes int64 seeds)."""
+
+_MASK63 = (1 << 63) - 1
+
+
+def sampling_seeds(seed: int, step: int, round_index: int, num_prompts: int, n: int) -> tuple[int, ...]:
+    """One sampling seed per response row (prompt-major) of a generation request:
+    (``step``, ``round_index``, prompt index, sample index) packed into 63 bits, then
+    mixed with the run's ``seed`` by a bijection of 63-bit integers (adding a constant,
+    xor-shifts, multiplying by odd numbers). Within a run no two rows of any step or
+    round share a seed, by construction (the old ``seed + row`` / ``+ engine`` /
+    ``+ 1009 * round`` scheme made them overlap); ValueError when a field exceeds its bits."""
+    fields = {"step": step, "round": round_index, "prompt": num_prompts - 1, "sample": n - 1}
+    for name, value in fields.items():
+        if not 0 <= value < 1 << SEED_FIELD_BITS[name]:
+            raise ValueError(
+                f"sampling seeds: {name} {value} is outside 0..{(1 << SEED_FIELD_BITS[name]) - 1} (a run's seeds "
+                "pack step, round, prompt and sample into 63 bits); use fewer steps, generation rounds, prompts per "
+                "round or samples per prompt"
+            )
+    base = ((step << SEED_FIELD_BITS["round"]) | round_index) << (SEED_FIELD_BITS["prompt"] + SEED_FIELD_BITS["sample"])
+    offset = (seed * 0x9E3779B97F4A7C15) & _MASK63
+    return tuple(
+        _mix63((base | (prompt << SEED_FIELD_BITS["sample"]) | sample) + offset)
+        for prompt in range(num_prompts)
+        for sample in range(n)
+    )
+
+
+def _mix63(x: int) -> int:
+    """A bijection of 63-bit integers (splitmix64's finaliser, reduced mod 2**63)."""
+    x &= _MASK63
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK63
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK63
+    return x ^ (x >> 31)
 
 
 @dataclass
@@ -62,6 +106,9 @@ class Generation:
     the engine gave up on the request (its group is not trained on)."""
     text: Optional[str] = None
     """Decoded text, when the engine has a tokenizer."""
+    weight_version: int = -1
+    """The version of the weights the engine held when it sampled this response (the
+    actor step they come from, as the last weight sync told the engine; -1: none)."""
 
 
 @dataclass

@@ -198,8 +198,9 @@ class HFRolloutEngine(RolloutEngine):
             return_dict_in_generate=True,
         )
         with torch.random.fork_rng(devices=[]):
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
+            seed = params.row_seeds[0] if params.row_seeds else params.seed
+            if seed is not None:  # one generator for the whole request
+                torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=config
             )

@@ -24,7 +24,8 @@ What SGLang 0.5.23 does, and what this wrapper does about it:
   weight update has arrived (the trainer syncs after every resume).
 - ``sampling_seed`` is honoured only with ``enable_deterministic_inference`` (else the
   sampler ignores it), and every row of a request with the same seed samples the same
-  tokens: each row gets its own seed (``seed + row``). SGLang's determinism covers one
+  tokens: each row gets its own seed (the trainer's ``row_seeds``, distinct for every
+  step, round, prompt and sample of a run). SGLang's determinism covers one
   engine configuration and batch schedule (its deterministic kernels); runs on other GPU
   counts or SGLang releases differ.
 - A request aborted by the server finishes with reason ``abort``: reported as such, and
@@ -169,8 +170,8 @@ def sglang_tensor_payload(tensor: torch.Tensor) -> bytes:
 
 def row_sampling_params(params: SamplingParams, rows: int) -> list[dict]:
     """SGLang's per-request sampling dicts for ``rows`` rows: each row its own seed
-    (``params.seed + row``; one shared seed would give every copy of a prompt the same
-    response under deterministic inference)."""
+    (``params.row_seeds``, else ``params.seed + row``; one shared seed would give every
+    copy of a prompt the same response under deterministic inference)."""
     base = {
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -178,6 +179,10 @@ def row_sampling_params(params: SamplingParams, rows: int) -> list[dict]:
         "max_new_tokens": params.max_new_tokens,
         "stop_token_ids": list(params.stop_token_ids),
     }
+    if params.row_seeds is not None:
+        if len(params.row_seeds) != rows:
+            raise ValueError(f"{len(params.row_seeds)} row seeds for {rows} rows")
+        return [{**base, "sampling_seed": seed} for seed in params.row_seeds]
     if params.seed is None:
         return [dict(base) for _ in range(rows)]
     return [{**base, "sampling_seed": params.seed + row} for row in range(rows)]

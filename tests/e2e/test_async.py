@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 
 import pytest
 
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.data.prompts import Prompt
-from dapo_megatron.experience import Sample
-from dapo_megatron.step import StaleBatch, check_staleness
-from dapo_megatron.trainer import train
+from dapo_megatron.experience import Sample, load_samples
+from dapo_megatron.orchestration.actor_group import ActorGroup
+from dapo_megatron.step import GenerationAheadFailed, StaleBatch, Stepper, check_staleness
+from dapo_megatron.trainer import GENERATED_AHEAD, train
 from tests.e2e.conftest import run_config
 from tests.e2e.test_resume import FOUR_STEPS, _metrics
 
@@ -68,9 +71,96 @@ def test_async_resume_gives_the_metrics_of_the_uninterrupted_async_run(tiny_mode
     split = tmp_path / "split"
     train(run(split, **{"trainer.num_steps": 2}))
     # The checkpoint of step 2 holds step 3's batch, generated during step 2.
-    state = json.loads((split / "checkpoints/step_00000002/trainer_state.json").read_text())
-    assert state["generated_ahead"]["samples"] and {
-        s["policy_version"] for s in state["generated_ahead"]["samples"]
-    } == {1}
+    # It is written once, by the driver, in binary; the trainer state only names it.
+    checkpoint = split / "checkpoints/step_00000002"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["generated_ahead"] == GENERATED_AHEAD and (checkpoint / "trainer_state.json").stat().st_size < 2000
+    samples, extra = load_samples(checkpoint / GENERATED_AHEAD)
+    assert samples and {s.policy_version for s in samples} == {1} and "reward/score_mean" in extra["metrics"]
+    assert not list((split / "checkpoints").glob(".*partial"))
     train(run(split), resume=True)
     assert _metrics(split) == _metrics(whole)
+
+
+def _async_run(tiny_model, out, **overrides):
+    base = {"trainer.val_every": 0, "trainer.val_before_train": False}
+    raw = run_config(tiny_model, out, **{**base, **overrides})
+    raw["trainer"]["async_generation"] = True
+    return config_from_dict(raw, "e2e")
+
+
+@pytest.mark.timeout(600)
+def test_staleness_is_what_the_engines_report_not_what_the_driver_counts(tiny_model, tmp_path, monkeypatch):
+    """Negative control for the staleness measurement: a stepper that syncs *before* it
+    generates the next batch (the batch "ahead" then comes from the new weights). The
+    engines report the version they sampled with, so staleness is 0; a driver that counted
+    versions itself would report 1 (the normal order's figure, checked above)."""
+    original = Stepper.step
+
+    def sync_then_generate(self, step, generate_ahead):
+        metrics = original(self, step, False)  # trains and syncs
+        if generate_ahead:
+            self.ahead = self._generate(step + 1)
+        return metrics
+
+    monkeypatch.setattr(Stepper, "step", sync_then_generate)
+    run_dir = tmp_path / "sync_first"
+    train(_async_run(tiny_model, run_dir, **{"trainer.num_steps": 3, "checkpoint.save_every": 0}))
+    assert [s["staleness/max"] for s in _steps(run_dir)] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.timeout(900)
+def test_a_failed_generation_ahead_loses_no_step(tiny_model, tmp_path, monkeypatch):
+    """Generating step 3's batch fails during step 2: step 2 is logged and saved first,
+    the error names the checkpoint, and --resume finishes the run. At the last step (the
+    batch ahead is only for the checkpoint) the run completes and is saved."""
+    original = Stepper._generate
+    fail_at = {"step": 3}
+
+    def failing(self, step):
+        if step == fail_at["step"]:
+            raise RuntimeError("rollout engine 0 died")
+        return original(self, step)
+
+    monkeypatch.setattr(Stepper, "_generate", failing)
+    run_dir = tmp_path / "mid"
+    config = _async_run(tiny_model, run_dir, **{"trainer.num_steps": 4, "checkpoint.save_every": 0})
+    with pytest.raises(
+        GenerationAheadFailed, match=r"step 3's batch .*rollout engine 0 died.*step 2 was trained and saved"
+    ):
+        train(config)
+    assert [s["step"] for s in _steps(run_dir)] == [1, 2]
+    state = json.loads((run_dir / "checkpoints/step_00000002/trainer_state.json").read_text())
+    assert state["step"] == 2 and state["generated_ahead"] is None
+    fail_at["step"] = None
+    train(config, resume=True)
+    assert [s["step"] for s in _steps(run_dir)] == [1, 2, 3, 4]
+
+    fail_at["step"] = 3
+    last = tmp_path / "last"
+    result = train(_async_run(tiny_model, last, **{"trainer.num_steps": 2, "checkpoint.save_every": 2}))
+    assert result.steps == 2 and result.last_checkpoint.endswith("step_00000002")
+    assert [s["step"] for s in _steps(last)] == [1, 2]
+
+
+@pytest.mark.timeout(300)
+def test_an_error_does_not_wait_for_the_generation_running_ahead(tiny_model, tmp_path, monkeypatch):
+    """The actor fails while the next batch's generation hangs: the run ends with the
+    actor's error at once (a non-daemon worker, joined at shutdown, would hang here)."""
+    original = Stepper._generate
+    never = threading.Event()
+
+    def hanging(self, step):
+        if step == 2:
+            never.wait()
+        return original(self, step)
+
+    def failing_train(self, batch, num_mini_batches, temperature):
+        raise RuntimeError("actor rank 1 lost")
+
+    monkeypatch.setattr(Stepper, "_generate", hanging)
+    monkeypatch.setattr(ActorGroup, "train", failing_train)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="actor rank 1 lost"):
+        train(_async_run(tiny_model, tmp_path / "hang", **{"trainer.num_steps": 3, "checkpoint.save_every": 0}))
+    assert time.monotonic() - start < 120
