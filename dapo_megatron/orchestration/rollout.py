@@ -279,19 +279,8 @@ class RolloutWorkers:
         for a request with one ``params.seed``, :func:`sampling_seeds` of it (distinct
         for every row whichever engine samples it).
         """
-        shares = _split(len(prompts), len(self.engines))
-        row_seeds = params.row_seeds
-        if row_seeds is None and params.seed is not None:
-            row_seeds = sampling_seeds(params.seed, 0, 0, len(prompts), n)
-        if row_seeds is not None and len(row_seeds) != len(prompts) * n:
-            raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts x {n} samples")
         refs, offsets, names = [], [], []
-        for index, (start, stop) in enumerate(shares):
-            if start == stop:
-                continue
-            engine_params = params
-            if row_seeds is not None:
-                engine_params = replace(params, seed=None, row_seeds=tuple(row_seeds[start * n : stop * n]))
+        for index, start, stop, engine_params in engine_shares(len(prompts), len(self.engines), params, n):
             refs.append(self.engines[index].generate.remote(prompts[start:stop], engine_params, n))
             offsets.append(start)
             names.append(self.names[index])
@@ -325,6 +314,26 @@ class RolloutWorkers:
 
     def shutdown(self) -> None:
         stop_all(self.engines, "rollout engine")
+
+
+def engine_shares(num_prompts: int, num_engines: int, params: SamplingParams, n: int) -> list:
+    """``(engine index, first prompt, end prompt, its sampling)`` of every engine with
+    prompts: contiguous shares, each with its rows' seeds (``params.row_seeds``, or
+    :func:`sampling_seeds` of a request's one ``params.seed``)."""
+    row_seeds = params.row_seeds
+    if row_seeds is None and params.seed is not None:
+        row_seeds = sampling_seeds(params.seed, 0, 0, num_prompts, n)
+    if row_seeds is not None and len(row_seeds) != num_prompts * n:
+        raise ValueError(f"{len(row_seeds)} row seeds for {num_prompts} prompts x {n} samples")
+    shares = []
+    for index, (start, stop) in enumerate(_split(num_prompts, num_engines)):
+        if start == stop:
+            continue
+        engine_params = params
+        if row_seeds is not None:
+            engine_params = replace(params, seed=None, row_seeds=tuple(row_seeds[start * n : stop * n]))
+        shares.append((index, start, stop, engine_params))
+    return shares
 
 
 def _split(total: int, parts: int) -> list[tuple[int, int]]:
