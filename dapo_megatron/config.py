@@ -198,10 +198,6 @@ class AlgorithmConfig:
     """Reward function: a registered name (``dapo_math``, ``math_verify``) or ``module:function``."""
     reward_timeout_s: float = 5.0
     """Time bound of one reward call; a call that exceeds it scores as wrong."""
-    use_kl_loss: bool = False
-    """Add a KL penalty to a reference model (DAPO uses none)."""
-    kl_loss_coef: float = 0.0
-    """Coefficient of the KL penalty when ``use_kl_loss`` is on."""
     rollout_correction: Literal["auto", "none", "tis", "mis"] = "auto"
     """Correction of the training-inference mismatch, with ``r = exp(old - rollout)`` (the
     actor's old log-prob minus the engine's sampling log-prob): ``tis`` weighs each token's
@@ -322,8 +318,6 @@ class CheckpointConfig:
     """Resume from the latest checkpoint here (any tp/pp layout)."""
     keep_last: int = 3
     """Number of checkpoints to keep; older ones are deleted after a successful save."""
-    async_save: bool = False
-    """Write checkpoints in the background."""
     export_hf: bool = True
     """At the end of a run, write the final policy as an HF checkpoint to
     ``<output_dir>/hf_final`` through the converter (verified as ``convert`` verifies; a
@@ -873,11 +867,6 @@ def _validate_algorithm(config: Config, fail) -> None:
             ("algorithm.use_rollout_log_probs", "algorithm.rollout_correction"),
             f"algorithm.rollout_correction={a.rollout_correction} weighs by exp(old - rollout), which is 1 when "
             "algorithm.use_rollout_log_probs=true makes the rollout's log-probs the old ones; set one of them off",
-        )
-    if a.use_kl_loss and a.kl_loss_coef <= 0:
-        fail(
-            ("algorithm.kl_loss_coef",),
-            f"algorithm.kl_loss_coef={a.kl_loss_coef} must be > 0 when algorithm.use_kl_loss=true",
         )
 
 

@@ -103,6 +103,22 @@ def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
     raise TypeError(f"unsupported config type {tp!r}")
 
 
+RETIRED_KEYS = {
+    "algorithm.use_kl_loss": "the KL penalty to a reference policy is not implemented (DAPO drops it); remove the "
+    "key (earlier versions accepted it and trained without any penalty)",
+    "algorithm.kl_loss_coef": "the KL penalty to a reference policy is not implemented (DAPO drops it); remove the "
+    "key (earlier versions accepted it and trained without any penalty)",
+    "checkpoint.async_save": "checkpoints are written synchronously; remove the key (earlier versions accepted it and "
+    "ignored it)",
+}
+"""Keys that earlier versions accepted without acting on them: refused with the reason."""
+
+
+def _refuse_retired(source: str, dotted: str) -> None:
+    if dotted in RETIRED_KEYS:
+        raise ConfigError(f"{source}: {dotted} is not a setting: {RETIRED_KEYS[dotted]}")
+
+
 def build_dataclass(cls: type, raw: Any, prefix: str, source: str, sources: dict[str, str]) -> Any:
     """Build dataclass ``cls`` from ``raw``, refusing unknown keys and wrong types."""
     where = prefix.rstrip(".") or "the top level"
@@ -114,6 +130,7 @@ def build_dataclass(cls: type, raw: Any, prefix: str, source: str, sources: dict
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in known:
+            _refuse_retired(source, dotted)
             raise ConfigError(f"{source}: unknown key {dotted!r}; known keys of {where}: {', '.join(known)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
@@ -142,6 +159,7 @@ def apply_override(config: Any, override: str) -> None:
             raise ConfigError(f"{COMMAND_LINE}: {dotted!r} is not a config key")
         names = [f.name for f in dataclasses.fields(target)]
         if part not in names:
+            _refuse_retired(COMMAND_LINE, dotted)
             where = ".".join(parts[:depth]) or "the top level"
             raise ConfigError(f"{COMMAND_LINE}: unknown key {dotted!r}; known keys of {where}: {', '.join(names)}")
         if depth < len(parts) - 1:
