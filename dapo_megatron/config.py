@@ -198,6 +198,11 @@ class AlgorithmConfig:
     """Reward function: a registered name (``dapo_math``, ``math_verify``) or ``module:function``."""
     reward_timeout_s: float = 5.0
     """Time bound of one reward call; a call that exceeds it scores as wrong."""
+    reward_error_score: float = -1.0
+    """The score of a reward call that raises, returns something that is not a number
+    (or a NaN or infinite one) or exceeds ``reward_timeout_s``: not correct, counted in
+    ``reward/errors`` or ``reward/timeouts``. The default is the built-in rewards' wrong
+    answer."""
     rollout_correction: Literal["auto", "none", "tis", "mis"] = "auto"
     """Correction of the training-inference mismatch, with ``r = exp(old - rollout)`` (the
     actor's old log-prob minus the engine's sampling log-prob): ``tis`` weighs each token's
@@ -849,6 +854,8 @@ def _validate_algorithm(config: Config, fail) -> None:
             f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be > 0 and below "
             f"rollout.max_response_length={r.max_response_length}",
         )
+    if not math.isfinite(a.reward_error_score):
+        fail(("algorithm.reward_error_score",), f"algorithm.reward_error_score={a.reward_error_score} must be finite")
     if a.reward_timeout_s <= 0:
         fail(("algorithm.reward_timeout_s",), f"algorithm.reward_timeout_s={a.reward_timeout_s} must be > 0")
     if config.trainer.async_generation and r.colocate and config.parallel.device == "cuda":

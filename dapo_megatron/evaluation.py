@@ -89,7 +89,12 @@ def evaluate(
     with ExitStack() as stack:
         cpus = max(os.cpu_count() or 1, r.num_engines + 1)
         stack.enter_context(RayCluster(config.ray, out, config.ray.num_cpus or cpus))
-        rewards = RewardPool(config.algorithm.reward_fn, config.algorithm.reward_timeout_s, min(os.cpu_count() or 1, 8))
+        rewards = RewardPool(
+            config.algorithm.reward_fn,
+            config.algorithm.reward_timeout_s,
+            min(os.cpu_count() or 1, 8),
+            error_score=config.algorithm.reward_error_score,
+        )
         stack.callback(rewards.close)
         engines = RolloutWorkers(config, str(weights))
         stack.callback(engines.shutdown)

@@ -115,7 +115,12 @@ def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
     stack.enter_context(RayCluster(config.ray, run_dir, config.ray.num_cpus or cpus))
     # After ray.init, which installs its own SIGTERM handler (it would end the process).
     stop = stack.enter_context(StopRequest().installed())
-    rewards = RewardPool(config.algorithm.reward_fn, config.algorithm.reward_timeout_s, min(os.cpu_count() or 1, 8))
+    rewards = RewardPool(
+        config.algorithm.reward_fn,
+        config.algorithm.reward_timeout_s,
+        min(os.cpu_count() or 1, 8),
+        error_score=config.algorithm.reward_error_score,
+    )
     stack.callback(rewards.close)
     actor = ActorGroup(config)
     stack.callback(actor.shutdown)

@@ -24,3 +24,18 @@ def returns_dict(response: str, ground_truth: str) -> dict:
 
 def returns_string(response: str, ground_truth: str) -> str:
     return "yes"
+
+
+def returns_by_request(response: str, ground_truth: str):
+    """What the response asks for: a NaN, an infinity, NumPy numbers, bools."""
+    import numpy as np
+
+    return {
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "np_nan": np.float32("nan"),
+        "np_float": np.float32(1.0),
+        "np_int": np.int64(-1),
+        "true": True,
+        "np_false": np.bool_(False),
+    }[response]

@@ -6,6 +6,7 @@ import time
 from fractions import Fraction
 
 import pytest
+import torch
 
 from dapo_megatron.algo.rewards import RewardScorer, available_rewards, resolve_reward, score_response
 from dapo_megatron.algo.rewards.dapo_math import TAIL_CHARS, normalize_answer
@@ -256,3 +257,26 @@ def test_unknown_rewards_are_refused_with_the_options():
         resolve_reward("no_such_module:fn")
     with pytest.raises(ValueError, match="has no function 'missing'"):
         resolve_reward("tests.unit.reward_fixtures:missing")
+
+
+def test_non_finite_scores_are_reward_errors_and_numpy_numbers_and_bools_are_scores():
+    """A NaN or infinite score would make every advantage of its group NaN: it is a reward
+    error naming the function, scored ``error_score``; NumPy numbers and bools are scores."""
+    import math
+
+    from dapo_megatron.algo import group_advantages_by_id
+    from dapo_megatron.algo.rewards.pool import RewardPool
+
+    pool = RewardPool("tests.unit.reward_fixtures:returns_by_request", 10, 1, error_score=-0.5)
+    try:
+        asks = ["nan", "inf", "np_nan", "np_float", "np_int", "true", "np_false"]
+        results = pool.score(asks, ["x"] * len(asks))
+    finally:
+        pool.close()
+    scores = [r.score for r in results]
+    assert scores == [-0.5, -0.5, -0.5, 1.0, -1.0, 1.0, 0.0]
+    assert [r.error is not None for r in results] == [True, True, True, False, False, False, False]
+    assert "non-finite score nan" in results[0].error and "non-finite score -inf" in results[1].error
+    assert [r.correct for r in results] == [False, False, False, True, False, True, False]
+    advantages = group_advantages_by_id(torch.tensor(scores), [0] * len(scores))
+    assert all(math.isfinite(a) for a in advantages.tolist())

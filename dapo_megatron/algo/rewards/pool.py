@@ -19,9 +19,9 @@ from dapo_megatron.algo.rewards.registry import RewardResult, RewardScorer
 _WORKER_SCORER: RewardScorer | None = None
 
 
-def _init_worker(name: str, timeout_s: float) -> None:
+def _init_worker(name: str, timeout_s: float, error_score: float) -> None:
     global _WORKER_SCORER
-    _WORKER_SCORER = RewardScorer(name, timeout_s)
+    _WORKER_SCORER = RewardScorer(name, timeout_s, error_score)
 
 
 def _score_chunk(pairs: list[tuple[str, str]]) -> list[RewardResult]:
@@ -36,10 +36,13 @@ class RewardPool:
         timeout_s: bound of each call (see :class:`RewardScorer`).
         num_workers: worker processes; 1 scores in this process.
         min_parallel: rounds smaller than this are scored in this process.
+        error_score: the score of a call that fails or times out.
     """
 
-    def __init__(self, name: str, timeout_s: float, num_workers: int, min_parallel: int = 256) -> None:
-        self.local = RewardScorer(name, timeout_s)
+    def __init__(
+        self, name: str, timeout_s: float, num_workers: int, min_parallel: int = 256, error_score: float = -1.0
+    ) -> None:
+        self.local = RewardScorer(name, timeout_s, error_score)
         self.num_workers = max(1, num_workers)
         self.min_parallel = min_parallel
         self._executor: ProcessPoolExecutor | None = None
@@ -48,7 +51,7 @@ class RewardPool:
                 self.num_workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker,
-                initargs=(name, timeout_s),
+                initargs=(name, timeout_s, error_score),
             )
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[RewardResult]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import logging
+import math
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
@@ -102,27 +103,48 @@ def resolve_reward(name: str) -> tuple[RewardFn, bool]:
     )
 
 
+def _number(value: Any) -> Optional[float]:
+    """``value`` as a float when it is a real number: Python's or NumPy's (any scalar with
+    ``__float__`` and no length, e.g. ``np.float32``, ``np.int64``, a 0-d tensor); bools
+    count 1.0 / 0.0. Otherwise None."""
+    if isinstance(value, (str, bytes, dict, RewardResult)):
+        return None
+    if hasattr(value, "__len__") and getattr(value, "ndim", None) != 0:  # sequences; 0-d arrays are scalars
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def to_result(value: Any) -> RewardResult:
-    """Turn what a reward function returned into a RewardResult (or raise TypeError)."""
+    """Turn what a reward function returned into a RewardResult (or raise TypeError or
+    ValueError): a RewardResult; a number (Python or NumPy; a bool means correct 1.0 or
+    wrong 0.0), correct when > 0; a dict with ``score`` (and optionally ``correct`` and
+    ``prediction``). A NaN or infinite score is refused (ValueError)."""
     if isinstance(value, RewardResult):
-        return value
-    if isinstance(value, bool):
-        raise TypeError("a reward function returned a bool; return a number or a RewardResult")
-    if isinstance(value, (int, float)):
-        return RewardResult(score=float(value), correct=value > 0, prediction=None)
-    if isinstance(value, dict) and "score" in value:
-        score = float(value["score"])
-        return RewardResult(
+        result = value
+    elif (number := _number(value)) is not None:
+        result = RewardResult(score=number, correct=number > 0, prediction=None)
+    elif isinstance(value, dict) and "score" in value:
+        score = _number(value["score"])
+        if score is None:
+            raise TypeError(f"a reward function returned a score of type {type(value['score']).__name__}")
+        result = RewardResult(
             score=score, correct=bool(value.get("correct", score > 0)), prediction=value.get("prediction")
         )
-    raise TypeError(f"a reward function returned {type(value).__name__}; expected a number, dict or RewardResult")
+    else:
+        raise TypeError(f"a reward function returned {type(value).__name__}; expected a number, dict or RewardResult")
+    if not math.isfinite(result.score):
+        raise ValueError(f"a reward function returned the non-finite score {result.score}")
+    return result
 
 
-def _call(fn: RewardFn, response: str, ground_truth: str) -> RewardResult:
+def _call(fn: RewardFn, response: str, ground_truth: str, error_score: float) -> RewardResult:
     try:
         return to_result(fn(response, ground_truth))
     except Exception as exc:  # a reward function's bug must not stop training
-        return RewardResult(score=-1.0, correct=False, prediction=None, error=f"{type(exc).__name__}: {exc}")
+        return RewardResult(score=error_score, correct=False, prediction=None, error=f"{type(exc).__name__}: {exc}")
 
 
 def _worker_main(conn, name: str) -> None:
@@ -137,17 +159,20 @@ def _worker_main(conn, name: str) -> None:
         request = conn.recv()
         if request is None:
             return
-        conn.send(_call(fn, *request))
+        conn.send(_call(fn, *request))  # request: (response, ground truth, error score)
 
 
 class RewardScorer:
-    """Scores responses with one reward function, each call bounded by ``timeout_s``."""
+    """Scores responses with one reward function, each call bounded by ``timeout_s``; a
+    call that raises, returns something unusable (or a NaN or infinite score) or exceeds
+    the bound scores ``error_score``, not correct."""
 
-    def __init__(self, name: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, name: str, timeout_s: float = 5.0, error_score: float = -1.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         self.name = name
         self.timeout_s = timeout_s
+        self.error_score = error_score
         self._fn, self._bounded = resolve_reward(name)
         self._process = None
         self._conn = None
@@ -156,7 +181,7 @@ class RewardScorer:
         atexit.register(self.close)
 
     def _timed_out(self) -> RewardResult:
-        return RewardResult(score=-1.0, correct=False, prediction=None, timed_out=True)
+        return RewardResult(score=self.error_score, correct=False, prediction=None, timed_out=True)
 
     def _start_worker(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -177,12 +202,14 @@ class RewardScorer:
         if self._process is None or not self._process.is_alive():
             self._start_worker()
         try:
-            self._conn.send((response, ground_truth))
+            self._conn.send((response, ground_truth, self.error_score))
             if self._conn.poll(self.timeout_s):
                 return self._conn.recv()
         except (EOFError, OSError, BrokenPipeError) as exc:
             self.close()
-            return RewardResult(score=-1.0, correct=False, prediction=None, error=f"reward worker died: {exc}")
+            return RewardResult(
+                score=self.error_score, correct=False, prediction=None, error=f"reward worker died: {exc}"
+            )
         # Over the bound: the worker may be stuck forever; kill it, a new one starts next call.
         self.close()
         return self._timed_out()
@@ -191,7 +218,7 @@ class RewardScorer:
         """Score one response; never raises for anything the reward function does."""
         if self._bounded:
             start = time.perf_counter()
-            result = _call(self._fn, response, ground_truth)
+            result = _call(self._fn, response, ground_truth, self.error_score)
             if time.perf_counter() - start > self.timeout_s:
                 result = self._timed_out()
         else:
@@ -203,7 +230,13 @@ class RewardScorer:
             self._counts["errors"] += 1
             if not self._warned_error:
                 self._warned_error = True
-                logger.warning("reward %r raised, scoring as wrong (reported once): %s", self.name, result.error)
+                logger.warning(
+                    "reward function %r failed, scoring %s (algorithm.reward_error_score) and counting it in "
+                    "reward/errors (reported once): %s",
+                    self.name,
+                    self.error_score,
+                    result.error,
+                )
         return result
 
     def score_batch(
@@ -241,7 +274,7 @@ class RewardScorer:
             self._process = None
 
 
-_SCORERS: dict[tuple[str, float], RewardScorer] = {}
+_SCORERS: dict[tuple[str, float], RewardScorer] = {}  # score_response's, default error score
 
 
 def score_response(name: str, response: str, ground_truth: str, *, timeout_s: float = 5.0) -> RewardResult:
