@@ -41,7 +41,7 @@ from dapo_megatron.experience import (
 )
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.orchestration.calls import cause_of
-from dapo_megatron.orchestration.cluster import RayCluster
+from dapo_megatron.orchestration.cluster import RayCluster, async_shares_devices
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.rollout.engine import SamplingParams, SyncStats, sampling_seeds
 
@@ -111,6 +111,13 @@ def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
     """Start Ray (logs under ``run_dir``), the reward pool, the actor and the engines;
     ``stack`` stops each of them when it closes. ``train`` and ``bench`` run the same one."""
     r = config.rollout
+    shared = async_shares_devices(config)
+    if shared:
+        logger.warning(
+            "trainer.async_generation: %s, so generating ahead competes with training and can make steps slower "
+            "than synchronous ones (docs/off_policy.md: when asynchronous generation helps)",
+            shared,
+        )
     cpus = max(os.cpu_count() or 1, config.parallel.world_size + r.num_engines + 1)
     stack.enter_context(RayCluster(config.ray, run_dir, config.ray.num_cpus or cpus))
     # After ray.init, which installs its own SIGTERM handler (it would end the process).

@@ -222,17 +222,33 @@ def separate_cpu_cores(config: Config) -> Optional[tuple[list[list[int]], list[l
     cores = sorted(os.sched_getaffinity(0))
     ranks, engines = config.parallel.world_size, config.rollout.num_engines
     if len(cores) < ranks + engines:
-        logger.warning(
-            "trainer.async_generation: %d cores cannot give %d actor rank(s) and %d engine(s) one each; "
-            "they share all cores and generation competes with training",
-            len(cores),
-            ranks,
-            engines,
-        )
+        logger.info("%d cores cannot give %d actor rank(s) and %d engine(s) one each", len(cores), ranks, engines)
         return None
     spare = cores[ranks:]
     share = len(spare) // engines
     return [[core] for core in cores[:ranks]], [spare[i * share : (i + 1) * share] for i in range(engines)]
+
+
+def async_shares_devices(config: Config) -> Optional[str]:
+    """Why generation running ahead (``trainer.async_generation``) competes with training
+    for the same devices in this layout, or None when it does not (or the run is sync).
+    Overlap only pays when generation and training run on devices of their own: on a
+    shared 2-core machine the demo's async steps were slower than its sync ones."""
+    if not config.trainer.async_generation:
+        return None
+    if config.parallel.device == "cpu":
+        if config.parallel.num_nodes != 1 or config.ray.address is not None:
+            return None  # cores of other machines: not known here
+        if separate_cpu_cores(config) is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            return (
+                f"the {config.parallel.world_size} actor rank(s) and {config.rollout.num_engines} engine(s) share "
+                f"this machine's {cores} cores (ray.separate_cores off, or fewer cores than ranks + engines)"
+            )
+        return None
+    if config.rollout.colocate:
+        return "the engines are colocated on the actor's GPUs (rollout.colocate=true)"
+    return None
 
 
 def pin_process(cores: list[int]) -> None:
