@@ -27,6 +27,10 @@ generations; with async generation they train meanwhile, all of them together). 
 collective timeout (``parallel.timeout_minutes``) must cover the longest of those, not a
 rollout phase, however long the responses; the plan states it.
 
+It also says what the job listens on, for whoever must open (or keep closed) a firewall:
+every port is picked free when the run starts, on 127.0.0.1 with a local Ray instance
+and on each node's address as Ray knows it on a cluster, never on every interface.
+
 On the CPU (``parallel.device=cpu``) there is no GPU: every actor rank and every engine is
 a process of one machine, all resident at once, so the plan adds them up against this
 machine's memory: fp32 weights, gradients and Adam state per rank, fp32 activations
@@ -485,6 +489,32 @@ def make_plan(config: Config, *, suggest: bool = True) -> Plan:
     return plan
 
 
+def network_plan(config: Config) -> str:
+    """Which sockets a run of ``config`` listens on, and on which address."""
+    p, r = config.parallel, config.rollout
+    on_cpu = p.device == "cpu"
+    opened = [
+        "Ray (GCS, raylet, runtime-env agent, a gRPC port per worker process)"
+        if config.ray.address is None
+        else "Ray's workers of this job (the cluster's daemons as it was started)",
+        "the actor's rendezvous store (rank 0)"
+        # megatron's gloo groups: all of them on the CPU, the distributed optimizer's on GPUs.
+        + (
+            " and gloo's pair listeners (one per gloo group on every rank)"
+            if on_cpu or p.use_distributed_optimizer
+            else ""
+        ),
+    ]
+    if not r.colocate:
+        opened.append(
+            "the weight-update group's store (rank 0)" + (" and a listener per engine rank" if on_cpu else "")
+        )
+    where = "127.0.0.1 only" if config.ray.address is None else "each node's address as Ray knows it"
+    # Not pinned by this project: NCCL chooses its interface (NCCL_SOCKET_IFNAME), SGLang its own.
+    note = "" if on_cpu else "; not pinned: NCCL's and SGLang's own listeners (on the interfaces they pick)"
+    return f"network: listens on {where}, never 0.0.0.0, on ports picked free at start: " + "; ".join(opened) + note
+
+
 def format_plan(plan: Plan) -> str:
     """The table ``dapo-megatron plan`` prints."""
     c, mem, host = plan.config, plan.memory, plan.host
@@ -549,6 +579,7 @@ def format_plan(plan: Plan) -> str:
         f"collective timeout: {p.timeout_minutes:g} min (parallel.timeout_minutes): ranks wait in collectives while "
         "training, computing log-probs, saving and syncing weights, never while the engines generate"
     )
+    lines.append(network_plan(c))
     if plan.fits:
         lines.append("fits")
     else:

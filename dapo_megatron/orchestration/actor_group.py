@@ -162,10 +162,12 @@ class ActorRank:
         self._update_group = None
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's address and a free port on it (asked of rank 0)."""
+        """This node's address as Ray knows it (127.0.0.1 on a local instance) and a free
+        port on it (asked of rank 0): the rendezvous store listens there and nowhere else."""
         from dapo_megatron.runtime.distributed import find_free_port
 
-        return ray.util.get_node_ip_address(), find_free_port()
+        address = ray.util.get_node_ip_address()
+        return address, find_free_port(address)
 
     def setup(
         self, rank: int, world_size: int, master_addr: str, master_port: int, cores: Optional[list[int]] = None
@@ -234,11 +236,18 @@ class ActorRank:
         shard = shard_for_data_parallel(batch, self.info.dp_rank, dp_size, num_mini_batches)
         return self.actor.train(shard, num_mini_batches, temperature)
 
-    def save(self, save_dir: str, keep_last: int, extra_files: Optional[dict[str, str]] = None) -> str:
-        """A dist checkpoint of model, optimizer, scheduler, RNG and step (and ``extra_files``)."""
+    def save(
+        self,
+        save_dir: str,
+        keep_last: int,
+        extra_files: Optional[dict[str, str]] = None,
+        moved_files: Optional[dict[str, str]] = None,
+    ) -> str:
+        """A dist checkpoint of model, optimizer, scheduler, RNG and step (and ``extra_files``
+        and ``moved_files``, see :func:`save_checkpoint`)."""
         from dapo_megatron.actor.checkpoint import save_checkpoint
 
-        return str(save_checkpoint(self.actor, save_dir, keep_last, extra_files))
+        return str(save_checkpoint(self.actor, save_dir, keep_last, extra_files, moved_files))
 
     def load_checkpoint(self, path: str, seed: int) -> int:
         """Restore model, optimizer, scheduler, step and RNG from a checkpoint; the step."""
@@ -341,7 +350,8 @@ class ActorRank:
         from dapo_megatron.runtime.distributed import find_free_port
         from dapo_megatron.runtime.weight_update_group import init_weight_update_group
 
-        address, port = ray.util.get_node_ip_address(), find_free_port()
+        address = ray.util.get_node_ip_address()  # the store listens on this address only
+        port = find_free_port(address)
         world_size = 1 + len(engines) * engine_ranks
         joins = [
             engine.join_weight_update_group.remote(address, port, 1 + i * engine_ranks, world_size, _UPDATE_GROUP)
@@ -482,10 +492,19 @@ class ActorGroup:
             [r.train.remote(ref, num_mini_batches, temperature) for r in self.ranks], "an actor rank", self.names
         )[0]
 
-    def save(self, save_dir: str, keep_last: int, extra_files: Optional[dict[str, str]] = None) -> str:
-        """Checkpoint folder written (with ``extra_files`` in it, name -> text)."""
+    def save(
+        self,
+        save_dir: str,
+        keep_last: int,
+        extra_files: Optional[dict[str, str]] = None,
+        moved_files: Optional[dict[str, str]] = None,
+    ) -> str:
+        """Checkpoint folder written (with ``extra_files`` in it, name -> text, and
+        ``moved_files``, name -> path of a file on the checkpoint's file system)."""
         return call_all(
-            [r.save.remote(save_dir, keep_last, extra_files) for r in self.ranks], "an actor rank", self.names
+            [r.save.remote(save_dir, keep_last, extra_files, moved_files) for r in self.ranks],
+            "an actor rank",
+            self.names,
         )[0]
 
     def load_checkpoint(self, path: str, seed: int) -> int:

@@ -11,12 +11,21 @@ Rank, world size and rendezvous come from the usual environment variables (``RAN
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) as set by torchrun,
 SLURM wrappers or :mod:`dapo_megatron.runtime.launch`; a single process without them
 runs as world size 1.
+
+**Nothing listens on every interface.** torch's rendezvous store (a ``TCPStore``, which
+has no authentication) listens on the wildcard address when torch creates it, so rank 0
+hosts it here on ``MASTER_ADDR`` only (:func:`rendezvous_store`), and gloo's pair
+listeners are pinned to the interface this rank reaches ``MASTER_ADDR`` from
+(:func:`gloo_interface`; ``GLOO_SOCKET_IFNAME``, unless the launch sets it). On one
+machine that is the loopback address; on a cluster, the node's address on the network
+the ranks share.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import logging
 import os
 import random
@@ -75,11 +84,115 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-def find_free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+"""The interface(s) gloo's pair listeners bind to; read whenever a gloo group is created."""
+_runtime_pinned_gloo = False  # whether initialize_runtime set GLOO_IFNAME (shutdown unsets it)
+
+
+def _socket_address(address: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """``address`` (an IP address or a host name) resolved for a TCP socket."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise LaunchError(f"cannot resolve the rendezvous address {address!r}: {exc}; use an IP address") from exc
+    return family, sockaddr
+
+
+def find_free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port on ``address`` (this machine's loopback address by default) that is free right now."""
+    family, sockaddr = _socket_address(address, 0)
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind(sockaddr)
         return sock.getsockname()[1]
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (or the address a host name resolves to) is a loopback address."""
+    return ipaddress.ip_address(_socket_address(address, 0)[1][0]).is_loopback
+
+
+def local_address_towards(address: str) -> str:
+    """This machine's address on the route to ``address``: the address itself when it is
+    one of this machine's (the loopback address included), else the address of the
+    interface the kernel sends from. Connecting a UDP socket sends nothing."""
+    family, sockaddr = _socket_address(address, 9)
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)
+        return probe.getsockname()[0]
+
+
+def interface_of(address: str) -> str:
+    """The name of this machine's network interface that has ``address``."""
+    import psutil
+
+    wanted = ipaddress.ip_address(address)
+    for name, addresses in psutil.net_if_addrs().items():
+        for entry in addresses:
+            if entry.family in (socket.AF_INET, socket.AF_INET6):
+                with contextlib.suppress(ValueError):
+                    if ipaddress.ip_address(entry.address.split("%")[0]) == wanted:
+                        return name
+    raise LaunchError(
+        f"no network interface of this machine has the address {address}, which it would reach the "
+        f"rendezvous from; set {GLOO_IFNAME} to the interface the ranks talk over"
+    )
+
+
+def _pin_gloo_interface(address: str) -> bool:
+    """Set ``GLOO_SOCKET_IFNAME`` to the interface this process reaches ``address`` from,
+    unless it is set already (by the launch or an enclosing runtime); whether it set it."""
+    if os.environ.get(GLOO_IFNAME):
+        return False
+    os.environ[GLOO_IFNAME] = interface_of(local_address_towards(address))
+    return True
+
+
+@contextlib.contextmanager
+def gloo_interface(address: str) -> Iterator[None]:
+    """Inside the block, gloo groups this process creates listen on the interface it
+    reaches ``address`` from (not the one its host name resolves to, which may face
+    another network); ``GLOO_SOCKET_IFNAME`` when set wins."""
+    pinned = _pin_gloo_interface(address)
+    try:
+        yield
+    finally:
+        if pinned:
+            os.environ.pop(GLOO_IFNAME, None)
+
+
+def rendezvous_store(
+    address: str, port: int, world_size: int, *, host: bool, timeout: datetime.timedelta
+) -> torch.distributed.TCPStore:
+    """A group's TCP store at ``address:port``: hosted by this process when ``host`` (its
+    rank 0), else a client of it.
+
+    torch's store server binds the wildcard address; a store has no authentication, so the
+    host binds the listening socket itself, to ``address`` only, and hands it to the store
+    (``master_listen_fd``), which owns it from then on.
+    """
+    if not host:
+        return torch.distributed.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    family, sockaddr = _socket_address(address, port)
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(sockaddr)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        raise LaunchError(
+            f"rank 0 cannot listen on the rendezvous address {address}:{port} ({exc}): the address must be "
+            "one of rank 0's own (MASTER_ADDR on torchrun or SLURM launches) and the port free"
+        ) from exc
+    bound_port = listener.getsockname()[1]
+    descriptor = listener.detach()
+    try:
+        return torch.distributed.TCPStore(
+            address, bound_port, world_size, is_master=True, timeout=timeout, master_listen_fd=descriptor
+        )
+    except BaseException:
+        os.close(descriptor)
+        raise
 
 
 def local_rank_of(env, parallel: ParallelConfig, device_type: str) -> int:
@@ -98,6 +211,25 @@ def local_rank_of(env, parallel: ParallelConfig, device_type: str) -> int:
     )
 
 
+def rendezvous_from_env(env, parallel: ParallelConfig) -> tuple[str, int]:
+    """``MASTER_ADDR`` and ``MASTER_PORT`` of a launch of several ranks. A loopback
+    address across several nodes is refused: the other nodes could not reach rank 0."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+    if missing:
+        raise LaunchError(
+            f"{' and '.join(missing)} not set for a launch of {env.get('WORLD_SIZE')} ranks: launch with "
+            "torchrun, srun with both exported (rank 0's address and a free port), or `dapo-megatron train`"
+        )
+    address = env["MASTER_ADDR"]
+    if parallel.num_nodes > 1 and is_loopback(address):
+        raise LaunchError(
+            f"MASTER_ADDR={address} is a loopback address on rank {env.get('RANK', '0')}'s machine but the "
+            f"layout spans {parallel.num_nodes} nodes: set MASTER_ADDR to rank 0's IP address on the network the "
+            "nodes share"
+        )
+    return address, int(env["MASTER_PORT"])
+
+
 def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
     """Initialise torch.distributed, megatron's parallel state and RNG for this rank.
 
@@ -105,6 +237,7 @@ def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
         parallel: the run's layout; its world size must equal the launched world size.
         seed: base seed; megatron derives the tensor-parallel and data-parallel seeds.
     """
+    global _runtime_pinned_gloo
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -119,7 +252,10 @@ def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
         )
     # A lone process gets its own rendezvous port rather than inheriting (and leaking into
     # child processes) MASTER_PORT, which a previous run in this process may still hold.
-    init_method = f"tcp://127.0.0.1:{find_free_port()}" if world_size == 1 else "env://"
+    if world_size == 1:
+        master_addr, master_port = "127.0.0.1", find_free_port()
+    else:
+        master_addr, master_port = rendezvous_from_env(os.environ, parallel)
 
     if device_type == "cpu":
         cpu_compat.enable_cpu_runtime(allow_with_gpu=parallel.device == "cpu")
@@ -129,13 +265,23 @@ def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
         backend, device = "nccl", torch.device("cuda", local_rank)
 
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
-        )
+        timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
+        # Every gloo group of the run (megatron's included) is created while this is set.
+        pinned = _pin_gloo_interface(master_addr)
+        # Under torchrun (elastic agent store) the agent hosts the store; rank 0 connects too.
+        agent_hosts = world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        try:
+            store = rendezvous_store(
+                master_addr, master_port, world_size, host=rank == 0 and not agent_hosts, timeout=timeout
+            )
+            torch.distributed.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+        except BaseException:
+            if pinned:
+                os.environ.pop(GLOO_IFNAME, None)
+            raise
+        _runtime_pinned_gloo = pinned or _runtime_pinned_gloo
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp_size,
         pipeline_model_parallel_size=parallel.pp_size,
@@ -173,9 +319,13 @@ def shutdown_runtime() -> None:
     """Destroy megatron's groups and the process group; undo the CPU runtime."""
     from megatron.core import parallel_state
 
+    global _runtime_pinned_gloo
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if _runtime_pinned_gloo:
+        os.environ.pop(GLOO_IFNAME, None)
+        _runtime_pinned_gloo = False
     cpu_compat.disable_cpu_runtime()
 
 

@@ -33,9 +33,7 @@ def test_recipe_has_the_papers_settings():
     assert (cfg.trainer.lr, cfg.trainer.lr_warmup_steps) == (1e-6, 20)
     assert (cfg.algorithm.clip_ratio_low, cfg.algorithm.clip_ratio_high) == (0.2, 0.28)
     assert (cfg.rollout.max_response_length, cfg.algorithm.overlong_buffer_len) == (20480, 4096)
-    assert (
-        cfg.algorithm.loss_agg_mode == "token-mean" and cfg.algorithm.dynamic_sampling
-    )
+    assert cfg.algorithm.loss_agg_mode == "token-mean" and cfg.algorithm.dynamic_sampling
     assert (cfg.rollout.val_n_samples, cfg.rollout.val_temperature, cfg.rollout.val_top_p) == (32, 1.0, 0.7)
     assert cfg.model.transformer_impl == "transformer_engine" and cfg.model.params_dtype == "bfloat16"
     assert cfg.parallel.world_size == 128
