@@ -509,7 +509,8 @@ def network_plan(config: Config) -> str:
         opened.append(
             "the weight-update group's store (rank 0)" + (" and a listener per engine rank" if on_cpu else "")
         )
-    where = "127.0.0.1 only" if config.ray.address is None else "each node's address as Ray knows it"
+    local = config.ray.address is None and p.num_nodes == 1
+    where = "127.0.0.1 only" if local else "each node's address as Ray knows it"
     # Not pinned by this project: NCCL chooses its interface (NCCL_SOCKET_IFNAME), SGLang its own.
     note = "" if on_cpu else "; not pinned: NCCL's and SGLang's own listeners (on the interfaces they pick)"
     return f"network: listens on {where}, never 0.0.0.0, on ports picked free at start: " + "; ".join(opened) + note

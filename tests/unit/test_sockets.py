@@ -116,6 +116,8 @@ def test_plan_says_what_a_run_listens_on_and_where(capsys):
     separate = network_plan(load_config(DEMO, ["rollout.colocate=false", "ray.address=10.0.0.1:6379"]))
     assert "listens on each node's address as Ray knows it" in separate and "127.0.0.1" not in separate
     assert "the weight-update group's store (rank 0) and a listener per engine rank" in separate
+    recipe = network_plan(load_config(DEMO.parents[1] / "qwen2_5_32b/dapo.yaml", []))  # 16 nodes, no address yet
+    assert "listens on each node's address as Ray knows it" in recipe and "127.0.0.1" not in recipe
     gpu = network_plan(load_config(DEMO, ["parallel.device=cuda", "parallel.use_distributed_optimizer=false"]))
     assert "gloo" not in gpu and gpu.endswith(
         "not pinned: NCCL's and SGLang's own listeners (on the interfaces they pick)"
