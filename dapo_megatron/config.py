@@ -170,7 +170,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """The DAPO objective and its five techniques (see DAPO.md)."""
+    """The DAPO objective and its five techniques (see docs/algorithm.md)."""
 
     clip_ratio_low: float = 0.2
     """epsilon_low of the decoupled clip: ratios below 1 - clip_ratio_low are clipped."""
@@ -198,6 +198,16 @@ class AlgorithmConfig:
     """Reward function: a registered name (``dapo_math``, ``math_verify``) or ``module:function``."""
     reward_timeout_s: float = 5.0
     """Time bound of one reward call; a call that exceeds it scores as wrong."""
+    use_kl_loss: bool = False
+    """Add ``kl_loss_coef`` x KL(π_θ ‖ π_ref) to the loss, π_ref being the initial policy
+    (the run's initial weights, held frozen by every actor rank without gradients or
+    optimizer state: one more copy of the weights per rank, see ``plan``). GRPO's penalty;
+    DAPO uses none. Needs initial weights (``model.hf_weights`` or ``checkpoint.load_dir``)."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL penalty (with ``use_kl_loss``)."""
+    kl_loss_type: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
+    """Per-token KL estimator: ``k1`` = log π_θ - log π_ref; ``k3`` = r - log r - 1 with
+    r = π_ref / π_θ (>= 0, lower variance); ``low_var_kl`` = ``k3`` clamped to [-10, 10]."""
     reward_error_score: float = -1.0
     """The score of a reward call that raises, returns something that is not a number
     (or a NaN or infinite one) or exceeds ``reward_timeout_s``: not correct, counted in
@@ -853,6 +863,11 @@ def _validate_algorithm(config: Config, fail) -> None:
             ("algorithm.overlong_buffer_len", "rollout.max_response_length"),
             f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be > 0 and below "
             f"rollout.max_response_length={r.max_response_length}",
+        )
+    if a.use_kl_loss and not (math.isfinite(a.kl_loss_coef) and a.kl_loss_coef > 0):
+        fail(
+            ("algorithm.kl_loss_coef",),
+            f"algorithm.kl_loss_coef={a.kl_loss_coef} must be > 0 when algorithm.use_kl_loss=true",
         )
     if not math.isfinite(a.reward_error_score):
         fail(("algorithm.reward_error_score",), f"algorithm.reward_error_score={a.reward_error_score} must be finite")

@@ -104,10 +104,6 @@ def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
 
 
 RETIRED_KEYS = {
-    "algorithm.use_kl_loss": "the KL penalty to a reference policy is not implemented (DAPO drops it); remove the "
-    "key (earlier versions accepted it and trained without any penalty)",
-    "algorithm.kl_loss_coef": "the KL penalty to a reference policy is not implemented (DAPO drops it); remove the "
-    "key (earlier versions accepted it and trained without any penalty)",
     "checkpoint.async_save": "checkpoints are written synchronously; remove the key (earlier versions accepted it and "
     "ignored it)",
 }

@@ -166,11 +166,15 @@ class MemoryEstimate:
     """Transformers engines on the busiest GPU (``engine == "hf"`` on a GPU)."""
     sync_export: int = 0
     """The weight sync's q/k/v export buffers on the heaviest stage's leader (GPU runs)."""
+    reference: int = 0
+    """The KL penalty's frozen reference policy (``algorithm.use_kl_loss``): one more copy
+    of the stage's weights, without gradients or optimizer state."""
 
     @property
     def train_phase(self) -> int:
         return (
             self.weights
+            + self.reference
             + self.gradients
             + self.optimizer
             + self.activations
@@ -186,7 +190,9 @@ class MemoryEstimate:
     @property
     def rollout_phase(self) -> int:
         engines = self.sglang if self.engine == "sglang" else self.engines_per_gpu * self.hf_engine
-        return self.weights + self.gradients + self.optimizer + engines + self.sync_export + self.overhead
+        return (
+            self.weights + self.reference + self.gradients + self.optimizer + engines + self.sync_export + self.overhead
+        )
 
     @property
     def sglang_weights_fit(self) -> bool:
@@ -274,6 +280,7 @@ def estimate_memory(config: Config) -> MemoryEstimate:
         hf_engine_kv_cache=hf_kv_cache,
         engines_per_gpu=-(-r.num_engines // p.world_size),
         sync_export=0 if on_cpu else sync_export_bytes(config, param_bytes),
+        reference=params * param_bytes if config.algorithm.use_kl_loss else 0,
     )
 
 
@@ -537,6 +544,7 @@ def format_plan(plan: Plan) -> str:
         f"rollout: {engines}",
         f"{where} ({mem.parameters:,} parameters):",
         row(f"weights ({dtype})", mem.weights),
+        *([row(f"KL reference policy ({dtype}, frozen)", mem.reference)] if mem.reference else []),
         row("gradients (fp32 buffer)", mem.gradients),
         row(f"optimizer (fp32 {'m+v' if dtype == 'fp32' else 'main+m+v'} / dp)", mem.optimizer),
         row(

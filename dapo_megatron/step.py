@@ -303,6 +303,9 @@ class Stepper:
                     a.rollout_correction_cap,
                 )
                 correction_metrics.update({f"rollout_correction/{k}": v for k, v in applied.items()})
+        if a.use_kl_loss:
+            with _timed(times, "ref_log_prob"):
+                batch.ref_log_probs, _ = actor.compute_log_probs(batch, r.temperature, num_updates, reference=True)
         with _timed(times, "train"):
             updates = actor.train(batch, num_updates, r.temperature)
         self.version += 1
@@ -485,6 +488,7 @@ def _update_metrics(all_updates: list[dict[str, float]]) -> dict[str, float]:
         "actor/ratio_mean": mean("ratio_mean"),
         "actor/ratio_max": max(u["ratio_max"] for u in updates),
         "actor/log_ratio_clamped": mean("log_ratio_clamped"),
+        "actor/kl_loss": mean("kl_loss"),
         "actor/empty_mini_batches": float(sum(u.get("empty", 0.0) for u in all_updates)),
         "actor/first_update_ratio_max": updates[0]["ratio_max"],
         "actor/grad_norm": sum(u["grad_norm"] for u in updates) / len(updates),

@@ -1,6 +1,6 @@
 """The DAPO trainer: one module that reads top to bottom as a step of DAPO does.
 
-A step (``../shared/DESIGN.md``): take prompts; generate ``n`` responses each on the
+A step (``docs/design.md``): take prompts; generate ``n`` responses each on the
 rollout engines; score them (rule-based reward plus the soft overlong punishment);
 dynamic sampling keeps groups whose answers disagree and draws more rounds until
 ``train_batch_size`` groups are kept; advantages by prompt identity; old log-probs from
@@ -136,6 +136,7 @@ def train(
             "it, or choose another trainer.output_dir (nothing in it is touched)"
         )
     start_step = resume_from[1]["step"] if resume_from else 0
+    reference = reference_weights(config)  # refused before anything starts
     run_dir.mkdir(parents=True, exist_ok=True)
     config_name = f"config.resumed_at_step_{start_step}.yaml" if resume_from else "config.yaml"
     (run_dir / config_name).write_text(config.to_yaml())
@@ -162,6 +163,8 @@ def train(
             logger.info("resumed from %s: continuing after step %d", resume_from[0], start_step)
         else:
             load_initial_weights(actor, config)
+        if reference is not None:
+            actor.load_reference(*reference)
         # The engines start from the actor's weights: both sides hold the same policy.
         system.sync_engines(start_step)
 
@@ -278,9 +281,10 @@ def evaluate_policy(
     return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}, samples
 
 
-def load_initial_weights(actor: ActorGroup, config: Config) -> None:
-    """A converted Megatron checkpoint (``checkpoint.load_dir``), else the HF folder's
-    safetensors (converted on load), else the random initialisation (with a warning)."""
+def initial_weights(config: Config) -> Optional[tuple[str, str]]:
+    """Where a run's initial weights come from, as ``(source, path)``: a converted Megatron
+    checkpoint (``checkpoint.load_dir``: ``megatron``), else the HF folder's safetensors
+    (``hf``, converted on load); None for the random initialisation."""
     from dapo_megatron.ckpt.dcp_io import latest_checkpoint
 
     load_dir = config.checkpoint.load_dir
@@ -288,20 +292,46 @@ def load_initial_weights(actor: ActorGroup, config: Config) -> None:
         path = latest_checkpoint(load_dir) or Path(load_dir)
         if not Path(path).exists():
             raise ConfigError(f"checkpoint.load_dir={load_dir!r} does not exist")
-        logger.info("initial weights from the Megatron checkpoint %s", path)
-        actor.load_weights("megatron", str(path))
-        return
+        return "megatron", str(path)
     folder = hf_weights_folder(config.model)
     if folder is not None and any(folder.glob("*.safetensors")):
-        logger.info("initial weights from the HF checkpoint %s (converted on load)", folder)
-        actor.load_weights("hf", str(folder))
-        return
+        return "hf", str(folder)
     if config.model.hf_weights is not None:
         raise ConfigError(
             f"model.hf_weights={config.model.hf_weights!r} holds no *.safetensors files; point it at an HF model "
             f"folder (for the demo, run `make demo` or examples/demo/prepare.py first)"
         )
-    logger.warning("no checkpoint.load_dir and no safetensors next to model.hf_config: training from random weights")
+    return None
+
+
+def load_initial_weights(actor: ActorGroup, config: Config) -> None:
+    """The run's :func:`initial_weights` into the actor, else the random initialisation
+    (with a warning)."""
+    initial = initial_weights(config)
+    if initial is None:
+        logger.warning(
+            "no checkpoint.load_dir and no safetensors next to model.hf_config: training from random weights"
+        )
+        return
+    source, path = initial
+    kind = "Megatron checkpoint" if source == "megatron" else "HF checkpoint (converted on load)"
+    logger.info("initial weights from the %s %s", kind, path)
+    actor.load_weights(source, path)
+
+
+def reference_weights(config: Config) -> Optional[tuple[str, str]]:
+    """With ``algorithm.use_kl_loss``: the reference policy's weights, the run's initial
+    ones (also on resume); refused when the run has none to hold (random initialisation)."""
+    if not config.algorithm.use_kl_loss:
+        return None
+    initial = initial_weights(config)
+    if initial is None:
+        raise ConfigError(
+            "algorithm.use_kl_loss: the KL penalty's reference policy is the run's initial weights, and this run has "
+            "none (no checkpoint.load_dir, no safetensors in model.hf_weights); give it initial weights or turn the "
+            "penalty off"
+        )
+    return initial
 
 
 def export_hf(checkpoint: str | Path, config: Config, out: Path) -> None:

@@ -41,6 +41,8 @@ class PolicyBatch:
     """``[batch, seq]`` constant weights of the tokens' losses (the rollout correction's;
     a 0 removes a token's contribution without changing the token-mean's denominator);
     default: 1."""
+    ref_log_probs: Optional[torch.Tensor] = None
+    """``[batch, seq]`` log-probs under the reference policy (the KL penalty's), or None."""
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2:
@@ -52,7 +54,7 @@ class PolicyBatch:
                 raise ValueError(
                     f"{name} must have shape ({batch},) to match tokens {tuple(self.tokens.shape)}, got {tuple(value.shape)}"
                 )
-        for name in ("old_log_probs", "loss_mask", "token_weights"):
+        for name in ("old_log_probs", "loss_mask", "token_weights", "ref_log_probs"):
             value = getattr(self, name)
             if value is not None and value.shape != self.tokens.shape:
                 raise ValueError(

@@ -294,3 +294,21 @@ def load_hf_model_weights(actor, hf_dir: str | os.PathLike) -> None:
     shape = Qwen2Shape.from_model_config(actor.model_config)
     load_hf_weights(actor.gpt, hf_dir, shape, actor.runtime.tp_rank, actor.parallel.tp_size)
     actor.optimizer.reload_model_params()
+
+
+def load_reference_weights(actor, source: str, path: str | os.PathLike) -> None:
+    """The KL penalty's reference policy (``actor.reference``) from ``source``: ``megatron``
+    (a dist checkpoint's model weights) or ``hf`` (safetensors, converted on load). The
+    trainer gives it the run's initial weights, also on resume (checkpoints do not hold it)."""
+    if actor.reference is None:
+        raise ValueError("the actor holds no reference policy (algorithm.use_kl_loss is off)")
+    if source == "megatron":
+        load_megatron_weights(actor.reference, latest_checkpoint(path) or path)
+    elif source == "hf":
+        from dapo_megatron.ckpt.loading import load_hf_weights
+        from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape
+
+        shape = Qwen2Shape.from_model_config(actor.model_config)
+        load_hf_weights(actor.reference, path, shape, actor.runtime.tp_rank, actor.parallel.tp_size)
+    else:
+        raise ValueError(f"unknown weight source {source!r}")

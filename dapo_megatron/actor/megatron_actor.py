@@ -46,6 +46,7 @@ _SUM_KEYS = (
     "kl_sum",
     "ratio_sum",
     "clamped_sum",
+    "kl_loss_sum",
     "num_tokens",
 )
 
@@ -61,6 +62,7 @@ class _MicroBatch:
     old_log_probs: Optional[torch.Tensor]  # [b, L]
     advantages: Optional[torch.Tensor]  # [b]
     token_weights: Optional[torch.Tensor] = None  # [b, L] the rollout correction's, or None
+    ref_log_probs: Optional[torch.Tensor] = None  # [b, L] the reference policy's (KL penalty), or None
 
 
 class MegatronActor:
@@ -151,6 +153,13 @@ class MegatronActor:
         self.pad_multiple = sequence_pad_multiple(parallel.tp_size, parallel.sequence_parallel, model.fp8)
         # Reused by weight sync for the q/k/v it rearranges into HF layout on every sync.
         self.hf_export_buffers: dict[str, torch.Tensor] = {}
+        # The KL penalty's reference policy: the same model, frozen (no gradients, no DDP
+        # buffers, no optimizer state), given the run's initial weights by the caller.
+        self.reference = None
+        if algorithm.use_kl_loss:
+            self.reference = build_qwen2_model(model, parallel, self.device.type, output_logits=False)
+            self.reference.requires_grad_(False)
+            self.reference.eval()
 
     # ------------------------------------------------------------------ internals
 
@@ -174,13 +183,16 @@ class MegatronActor:
             tokens[:, :used] = batch.tokens[index, :used]
             loss_mask = torch.zeros(len(rows), width)
             loss_mask[:, :used] = mask[index, :used]
-            old = weights = None
+            old = weights = ref = None
             if batch.old_log_probs is not None:
                 old = torch.zeros(len(rows), width)
                 old[:, :used] = batch.old_log_probs[index, :used].float()
             if batch.token_weights is not None:
                 weights = torch.zeros(len(rows), width)
                 weights[:, :used] = batch.token_weights[index, :used].float()
+            if batch.ref_log_probs is not None:
+                ref = torch.zeros(len(rows), width)
+                ref[:, :used] = batch.ref_log_probs[index, :used].float()
             micro.append(
                 _MicroBatch(
                     rows=index,
@@ -192,6 +204,7 @@ class MegatronActor:
                     if batch.advantages is not None
                     else None,
                     token_weights=weights.to(self.device) if weights is not None else None,
+                    ref_log_probs=ref.to(self.device) if ref is not None else None,
                 )
             )
         return micro
@@ -209,14 +222,15 @@ class MegatronActor:
             planned.append(micro)
         return planned
 
-    def _log_probs_and_entropy(self, hidden: torch.Tensor, micro: _MicroBatch, temperature: float):
-        """Label-grid ``[b, L]`` log-probs and entropies at the loss tokens of ``micro``."""
+    def _log_probs_and_entropy(self, hidden: torch.Tensor, micro: _MicroBatch, temperature: float, gpt=None):
+        """Label-grid ``[b, L]`` log-probs and entropies at the loss tokens of ``micro``
+        (projected with ``gpt``'s output weight: the policy's by default)."""
         selected = micro.loss_mask[:, 1:].bool()  # positions 1.. are predicted from 0..
         states = hidden[:, :-1][selected]  # [n, h]
         targets = micro.tokens[:, 1:][selected]
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
             states,
-            output_weight(self.gpt),
+            output_weight(gpt if gpt is not None else self.gpt),
             targets,
             vocab_size=self.model_config.vocab_size,
             vocab_start=self.vocab_start,
@@ -232,13 +246,13 @@ class MegatronActor:
 
         return to_grid(log_probs), to_grid(entropy)
 
-    def _run_schedule(self, micro: list[_MicroBatch], forward_step, forward_only: bool) -> list[dict]:
+    def _run_schedule(self, micro: list[_MicroBatch], forward_step, forward_only: bool, model=None) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro),
-            model=[self.ddp],
+            model=[model if model is not None else self.ddp],
             num_microbatches=len(micro),
             seq_length=max(m.tokens.shape[1] for m in micro),
             micro_batch_size=max(m.tokens.shape[0] for m in micro),
@@ -256,7 +270,7 @@ class MegatronActor:
 
     @torch.no_grad()
     def compute_log_probs(
-        self, batch: PolicyBatch, temperature: float = 1.0, num_mini_batches: int = 1
+        self, batch: PolicyBatch, temperature: float = 1.0, num_mini_batches: int = 1, reference: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward-only log-probs and entropy of ``batch``'s loss tokens under the current weights.
 
@@ -266,9 +280,14 @@ class MegatronActor:
         same kernels on the same data and its ratio is exactly 1 on any CPU, whatever
         its BLAS does with a different row count.
 
+        ``reference``: under the KL penalty's reference policy instead (``use_kl_loss``).
+
         Returns ``[batch, seq]`` fp32 grids (zero outside the loss tokens) on every rank.
         """
         batch.check_target_ids(self.model_config.vocab_size)
+        if reference and self.reference is None:
+            raise ValueError("reference log-probs need algorithm.use_kl_loss (the actor holds no reference policy)")
+        gpt = self.reference if reference else None
         self.ddp.eval()
         micro = [mb for mini in self._update_micro_batches(batch, num_mini_batches) for mb in mini]
 
@@ -277,7 +296,7 @@ class MegatronActor:
             hidden = model(mb.tokens, mb.position_ids, None)
 
             def loss_func(output):
-                log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature)
+                log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature, gpt)
                 zero = torch.zeros((), device=output.device)
                 return (
                     zero,
@@ -287,7 +306,7 @@ class MegatronActor:
 
             return hidden, loss_func
 
-        outputs = self._run_schedule(micro, forward_step, forward_only=True)
+        outputs = self._run_schedule(micro, forward_step, forward_only=True, model=gpt)
         shape = (2, batch.num_rows, batch.tokens.shape[1])
         result = None
         if self.is_last_stage:
@@ -319,6 +338,11 @@ class MegatronActor:
         """
         if batch.advantages is None or batch.old_log_probs is None:
             raise ValueError("train() needs a batch with advantages and old_log_probs")
+        if (self.reference is not None) != (batch.ref_log_probs is not None):
+            raise ValueError(
+                "algorithm.use_kl_loss needs the batch's ref_log_probs (compute_log_probs(..., reference=True)), "
+                "and only then"
+            )
         minis = batch.split(num_mini_batches)
         vocab_size = self.model_config.vocab_size
         # One all-reduce, before any micro-batch and before any state changes: loss tokens
@@ -367,7 +391,7 @@ class MegatronActor:
         metrics = dict.fromkeys(
             ("loss", "entropy", "mean_prob", "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac_dual"), 0.0
         )
-        metrics.update(approx_kl=0.0, ratio_mean=0.0, ratio_max=0.0, log_ratio_clamped=0.0, tokens=0.0)
+        metrics.update(approx_kl=0.0, ratio_mean=0.0, ratio_max=0.0, log_ratio_clamped=0.0, kl_loss=0.0, tokens=0.0)
         metrics.update(grad_norm=float("nan"), update_skipped=1.0, num_micro_batches=0.0, empty=1.0, nonfinite=0.0)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
@@ -401,6 +425,9 @@ class MegatronActor:
                     global_num_tokens=global_num_tokens,
                     global_num_seqs=global_num_seqs,
                     token_weights=mb.token_weights,
+                    ref_log_probs=mb.ref_log_probs,
+                    kl_coef=algo.kl_loss_coef,
+                    kl_type=algo.kl_loss_type,
                 )
                 if diverged:
                     loss = loss * float("nan")
@@ -416,6 +443,7 @@ class MegatronActor:
                     "kl_sum": m["approx_kl"].to(torch.float64) * n,
                     "ratio_sum": m["ratio_mean"].to(torch.float64) * n,
                     "clamped_sum": m["log_ratio_clamped"].to(torch.float64) * n,
+                    "kl_loss_sum": m["kl_loss"].to(torch.float64) * n,
                     "num_tokens": n,
                     "ratio_max": m["ratio_max"].to(torch.float64),
                 }
@@ -455,6 +483,7 @@ class MegatronActor:
             "ratio_mean": values["ratio_sum"] / tokens,
             "ratio_max": float(totals[-1]),
             "log_ratio_clamped": values["clamped_sum"] / tokens,
+            "kl_loss": values["kl_loss_sum"] / tokens,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_skipped": 0.0 if update_ok else 1.0,
             "nonfinite": 0.0 if finite else 1.0,

@@ -9,6 +9,11 @@ distributed case the caller passes that count as ``global_num_tokens`` (all-redu
 micro-batches and data-parallel ranks); then the sum of every micro-batch's loss is
 exactly the single-process token mean, and so are the gradients. ``seq-mean-token-mean``
 (GRPO's per-sample mean) and ``seq-mean-token-sum`` are kept for ablations.
+
+DAPO drops GRPO's KL penalty to a reference policy; GRPO-style runs keep it. With
+``ref_log_probs`` the loss adds ``kl_coef`` times the per-token estimate of
+KL(π_θ ‖ π_ref) (:func:`kl_penalty`), aggregated as the policy loss is (same
+denominator), never weighted by the rollout correction.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from dapo_megatron.algo._checks import require_2d, require_finite_where, require_same_shape
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_TYPES = ("k1", "k3", "low_var_kl")
 
 # exp() of a log-ratio beyond this overflows float32 soon after. Bounding it keeps inf
 # out of the loss, and gives a token beyond the bound zero gradient: for A > 0 (ratio too
@@ -27,6 +33,27 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # ratio above e^20 (no dual clip) or with A > 0 and a ratio below e^-20 loses a gradient
 # the unclipped objective would have. Such tokens are counted in ``log_ratio_clamped``.
 _MAX_ABS_LOG_RATIO = 20.0
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from the sampled tokens' log-probs (the
+    tokens were sampled from the rollout policy, ≈ π_θ), ``[batch, seq]``:
+
+    - ``k1``: ``log π_θ - log π_ref`` (unbiased, can be negative; its gradient is the
+      score function times one, i.e. it pushes every sampled token's log-prob down);
+    - ``k3``: ``exp(log π_ref - log π_θ) - (log π_ref - log π_θ) - 1`` (unbiased, >= 0,
+      lower variance; Schulman's k3), with the log-ratio bounded at ±20;
+    - ``low_var_kl``: ``k3`` with each token's value clamped to [-10, 10] (as verl does),
+      so that one token whose probability collapsed cannot dominate.
+    """
+    if kind not in KL_TYPES:
+        raise ValueError(f"kl type {kind!r} is not one of {', '.join(KL_TYPES)}")
+    log_ratio = ref_log_probs.to(log_probs.dtype) - log_probs  # log(π_ref / π_θ)
+    if kind == "k1":
+        return -log_ratio
+    log_ratio = log_ratio.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
+    k3 = torch.exp(log_ratio) - log_ratio - 1.0
+    return k3.clamp(-10.0, 10.0) if kind == "low_var_kl" else k3
 
 
 def dapo_policy_loss(
@@ -42,6 +69,9 @@ def dapo_policy_loss(
     global_num_tokens: Optional[int | torch.Tensor] = None,
     global_num_seqs: Optional[int | torch.Tensor] = None,
     token_weights: Optional[torch.Tensor] = None,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_type: str = "low_var_kl",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DAPO clipped policy-gradient loss (to minimise) and its metrics.
 
@@ -65,6 +95,9 @@ def dapo_policy_loss(
         token_weights: ``[batch, seq]`` constant weights of the token losses (the rollout
             correction, :mod:`rollout_correction`); no gradient flows through them and the
             denominators are unchanged (a weight of 0 drops a token's contribution only).
+        ref_log_probs: ``[batch, seq]`` log-probs under the reference policy: adds
+            ``kl_coef`` x :func:`kl_penalty` of ``kl_type``, aggregated like the policy
+            loss (not weighted by ``token_weights``).
 
     Returns:
         ``(loss, metrics)``. ``metrics`` holds detached 0-d tensors over this batch's
@@ -72,7 +105,8 @@ def dapo_policy_loss(
         gradient is cut by the lower / upper bound), ``pg_clipfrac_dual``, ``approx_kl``
         (the k3 estimate of KL(old || new), ``r - 1 - log r``), ``ratio_mean``,
         ``ratio_max``, ``log_ratio_clamped`` (fraction of tokens whose |log-ratio| exceeds 20
-        and is bounded there, which zeroes their gradient; see ``_MAX_ABS_LOG_RATIO``) and
+        and is bounded there, which zeroes their gradient; see ``_MAX_ABS_LOG_RATIO``),
+        ``kl_loss`` (the mean KL estimate per token, 0 without ``ref_log_probs``) and
         ``num_tokens``.
     """
     require_2d("log_probs", log_probs)
@@ -123,18 +157,28 @@ def dapo_policy_loss(
         require_finite_where("token_weights", token_weights, mask)
         per_token = per_token * torch.where(mask, token_weights.detach().to(per_token.dtype), zero)
 
-    if loss_agg_mode == "token-mean":
-        denominator = num_tokens if global_num_tokens is None else global_num_tokens
-        _require_positive("global_num_tokens" if global_num_tokens is not None else "response_mask", denominator, mask)
-        loss = per_token.sum() / denominator
-    else:
+    def aggregate(values: torch.Tensor) -> torch.Tensor:  # [batch, seq], zero outside the mask
+        if loss_agg_mode == "token-mean":
+            denominator = num_tokens if global_num_tokens is None else global_num_tokens
+            _require_positive(
+                "global_num_tokens" if global_num_tokens is not None else "response_mask", denominator, mask
+            )
+            return values.sum() / denominator
         seq_tokens = maskf.sum(dim=-1)  # [batch]
-        seq_loss = per_token.sum(dim=-1)
+        seq_loss = values.sum(dim=-1)
         if loss_agg_mode == "seq-mean-token-mean":
             seq_loss = seq_loss / seq_tokens.clamp(min=1)
         denominator = (seq_tokens > 0).sum() if global_num_seqs is None else global_num_seqs
         _require_positive("global_num_seqs" if global_num_seqs is not None else "response_mask", denominator, mask)
-        loss = seq_loss.sum() / denominator
+        return seq_loss.sum() / denominator
+
+    loss = aggregate(per_token)
+    kl = torch.zeros_like(per_token)
+    if ref_log_probs is not None:
+        require_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs)
+        require_finite_where("ref_log_probs", ref_log_probs, mask)
+        kl = torch.where(mask, kl_penalty(log_probs, torch.where(mask, ref_log_probs, zero), kl_type), zero)
+        loss = loss + kl_coef * aggregate(kl)
 
     with torch.no_grad():
         count = num_tokens.clamp(min=1).to(per_token.dtype)
@@ -150,6 +194,7 @@ def dapo_policy_loss(
             "ratio_mean": (ratio * maskf).sum() / count,
             "ratio_max": torch.where(mask, ratio, zero).max() if bool(mask.any()) else zero.clone(),
             "log_ratio_clamped": (mask & (raw_log_ratio.detach().abs() > _MAX_ABS_LOG_RATIO)).sum() / count,
+            "kl_loss": kl.detach().sum() / count,
             "num_tokens": num_tokens.detach(),
         }
     return loss, metrics

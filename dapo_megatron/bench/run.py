@@ -274,6 +274,10 @@ class _Bench:
         num_updates = self.batch.num_rows // self.config.data.mini_batch_size
         if self.batch.old_log_probs is None:
             self.batch.old_log_probs, _ = self.system.actor.compute_log_probs(self.batch, temperature, num_updates)
+        if self.config.algorithm.use_kl_loss and self.batch.ref_log_probs is None:
+            self.batch.ref_log_probs, _ = self.system.actor.compute_log_probs(
+                self.batch, temperature, num_updates, reference=True
+            )
         self._actor_phase(
             "train",
             lambda: self.system.actor.train(self.batch, num_updates, temperature),
@@ -406,7 +410,7 @@ def run_bench(config: Config, options: BenchOptions) -> dict:
     """Start the system of ``config``, measure ``options.phases``; the results as a dict
     (what ``--json`` writes)."""
     from dapo_megatron.step import start_system
-    from dapo_megatron.trainer import load_initial_weights, load_run_data
+    from dapo_megatron.trainer import load_initial_weights, load_run_data, reference_weights
 
     if options.steps < 1 or options.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0 (got {options.steps}, {options.warmup})")
@@ -421,6 +425,8 @@ def run_bench(config: Config, options: BenchOptions) -> dict:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dapo-bench-")))
         system = start_system(config, work, stack)
         load_initial_weights(system.actor, config)
+        if (reference := reference_weights(config)) is not None:
+            system.actor.load_reference(*reference)
         system.sync_engines(0)  # the engines serve the actor's weights, as in a run
         bench = _Bench(config, options, system, data)
         bench.ceilings()

@@ -215,7 +215,15 @@ class ActorRank:
         else:
             raise ValueError(f"unknown weight source {source!r}")
 
-    def compute_log_probs(self, batch: PolicyBatch, temperature: float, num_mini_batches: int = 1):
+    def load_reference(self, source: str, path: str) -> None:
+        """The KL penalty's reference policy (``megatron`` checkpoint or ``hf`` folder)."""
+        from dapo_megatron.actor.checkpoint import load_reference_weights
+
+        load_reference_weights(self.actor, source, path)
+
+    def compute_log_probs(
+        self, batch: PolicyBatch, temperature: float, num_mini_batches: int = 1, reference: bool = False
+    ):
         """This data-parallel rank's rows and their log-probs and entropies (reported by one
         rank per data-parallel replica; None from the others). The rows are the share
         :meth:`train` gets with the same ``num_mini_batches``, in the same micro-batches."""
@@ -223,7 +231,9 @@ class ActorRank:
 
         dp_size = self.actor.dp_group.size()
         rows = data_parallel_rows(batch, self.info.dp_rank, dp_size, num_mini_batches)
-        log_probs, entropy = self.actor.compute_log_probs(batch.select(rows).trimmed(), temperature, num_mini_batches)
+        log_probs, entropy = self.actor.compute_log_probs(
+            batch.select(rows).trimmed(), temperature, num_mini_batches, reference
+        )
         if self.info.tp_rank == 0 and self.info.pp_rank == 0:
             return rows, log_probs, entropy
         return None
@@ -463,14 +473,19 @@ class ActorGroup:
         """Initial weights on every rank (``megatron`` checkpoint or ``hf`` folder)."""
         call_all([r.load_weights.remote(source, path) for r in self.ranks], "an actor rank", self.names)
 
+    def load_reference(self, source: str, path: str) -> None:
+        """The KL penalty's reference policy on every rank (``megatron`` checkpoint or ``hf`` folder)."""
+        call_all([r.load_reference.remote(source, path) for r in self.ranks], "an actor rank", self.names)
+
     def compute_log_probs(
-        self, batch: PolicyBatch, temperature: float, num_mini_batches: int = 1
+        self, batch: PolicyBatch, temperature: float, num_mini_batches: int = 1, reference: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, seq]`` log-probs and entropies of the loss tokens, reassembled; computed
-        in the micro-batches of :meth:`train` with the same ``num_mini_batches``."""
+        in the micro-batches of :meth:`train` with the same ``num_mini_batches``; under the
+        KL penalty's reference policy with ``reference``."""
         ref = ray.put(batch)
         parts = call_all(
-            [r.compute_log_probs.remote(ref, temperature, num_mini_batches) for r in self.ranks],
+            [r.compute_log_probs.remote(ref, temperature, num_mini_batches, reference) for r in self.ranks],
             "an actor rank",
             self.names,
         )

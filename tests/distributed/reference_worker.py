@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.actor.batch import data_parallel_rows, shard_for_data_parallel
-from dapo_megatron.actor.checkpoint import load_hf_model_weights
+from dapo_megatron.actor.checkpoint import load_hf_model_weights, load_reference_weights
 from dapo_megatron.actor.megatron_actor import MegatronActor
 from dapo_megatron.actor.weight_sync import iter_hf_tensors
 from dapo_megatron.runtime.distributed import megatron_runtime
@@ -51,12 +51,13 @@ class RowCountDependentGemms(torch.overrides.TorchFunctionMode):
         return out
 
 
-def old_log_probs_as_trained(actor, batch, dp_rank: int, dp_size: int):
-    """The whole batch's old log-probs as the trainer computes them: each data-parallel
-    replica computes its share in the micro-batches of its updates; the shares are
-    gathered (each row comes from exactly one replica)."""
+def old_log_probs_as_trained(actor, batch, dp_rank: int, dp_size: int, reference: bool = False):
+    """The whole batch's old log-probs (or, with ``reference``, the KL reference's) as the
+    trainer computes them: each data-parallel replica computes its share in the
+    micro-batches of its updates; the shares are gathered (each row comes from exactly
+    one replica)."""
     rows = data_parallel_rows(batch, dp_rank, dp_size, NUM_MINI_BATCHES)
-    log_probs, _ = actor.compute_log_probs(batch.select(rows), num_mini_batches=NUM_MINI_BATCHES)
+    log_probs, _ = actor.compute_log_probs(batch.select(rows), num_mini_batches=NUM_MINI_BATCHES, reference=reference)
     full = torch.zeros(batch.tokens.shape)
     full[rows] = log_probs
     dist.all_reduce(full, group=actor.dp_group)
@@ -106,16 +107,28 @@ def correction_weights_for(batch) -> torch.Tensor:
     return weights * (torch.rand(weights.shape, generator=gen) > 0.2).float()
 
 
+KL_COEF = 0.5
+
+
 def dapo_step_with_gradients(
-    workdir: str, tp_size: int, pp_size: int, dp_size: int, weighted: bool = False, row_dependent_gemms: bool = False
+    workdir: str,
+    tp_size: int,
+    pp_size: int,
+    dp_size: int,
+    weighted: bool = False,
+    row_dependent_gemms: bool = False,
+    kl_type: str | None = None,
 ) -> None:
     """``row_dependent_gemms``: run the whole step under :class:`RowCountDependentGemms`
-    (only the first update's ratio is then checked)."""
+    (only the first update's ratio is then checked). ``kl_type``: with the KL penalty of
+    that estimator (coefficient ``KL_COEF``) to the reference policy in ``hf_ref_tied*``."""
     if row_dependent_gemms:
         with RowCountDependentGemms():
             return dapo_step_with_gradients(workdir, tp_size, pp_size, dp_size, weighted)
     cfg = actor_config(tp_size, pp_size, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
     cfg.parallel.use_distributed_optimizer = True
+    if kl_type is not None:
+        cfg.algorithm.use_kl_loss, cfg.algorithm.kl_loss_coef, cfg.algorithm.kl_loss_type = True, KL_COEF, kl_type
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
         for tied in (False, True):
             cfg.model.tie_word_embeddings = tied
@@ -124,6 +137,9 @@ def dapo_step_with_gradients(
             batch = reference_batch()
             # On-policy: the first update's ratio is exactly 1.
             batch.old_log_probs = old_log_probs_as_trained(actor, batch, info.dp_rank, dp_size)
+            if kl_type is not None:
+                load_reference_weights(actor, "hf", os.path.join(workdir, f"hf_ref_tied{int(tied)}"))
+                batch.ref_log_probs = old_log_probs_as_trained(actor, batch, info.dp_rank, dp_size, reference=True)
             if weighted:
                 batch.token_weights = correction_weights_for(batch)
             captured: list[dict[str, torch.Tensor]] = []

@@ -46,11 +46,26 @@ def _float64_model(hf_dir, tied: bool, weights: dict[str, torch.Tensor] | None):
     return model
 
 
-def _reference_loss(model, batch, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DAPO's token-level loss over ``rows``, in float64: returns (loss, ratios, mask)."""
-    tokens = batch.tokens[rows]
+def _log_probs(model, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=tokens).logits  # [rows, seq, vocab], float64
-    log_probs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def _kl(log_probs: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
+    """The KL estimators written out: k1 = log p - log q; k3 = q/p - log(q/p) - 1."""
+    if kind == "k1":
+        return log_probs - ref
+    ratio = torch.exp(ref - log_probs)
+    return ratio - torch.log(ratio) - 1
+
+
+def _reference_loss(
+    model, batch, rows, reference=None, kl_type=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DAPO's token-level loss over ``rows``, in float64 (plus ``KL_COEF`` x the token mean
+    of the KL estimate to the float64 ``reference`` model): returns (loss, ratios, mask)."""
+    tokens = batch.tokens[rows]
+    log_probs = _log_probs(model, tokens)
     mask = batch.response_mask()[rows][:, 1:].bool()  # targets at positions 1..; none in column 0
     old = batch.old_log_probs[rows][:, 1:].double()
     advantages = batch.advantages[rows].double()[:, None].expand_as(log_probs)
@@ -59,6 +74,10 @@ def _reference_loss(model, batch, rows) -> tuple[torch.Tensor, torch.Tensor, tor
     if batch.token_weights is not None:  # the rollout correction: constants; the count below is unchanged
         per_token = per_token * batch.token_weights[rows][:, 1:].double()
     loss = per_token[mask].sum() / mask.sum()
+    if reference is not None:
+        with torch.no_grad():
+            ref = _log_probs(reference, tokens)
+        loss = loss + reference_worker.KL_COEF * _kl(log_probs, ref, kl_type)[mask].sum() / mask.sum()
     return loss, ratio.detach()[mask], mask
 
 
@@ -71,21 +90,33 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("tp_size", "pp_size", "dp_size", "weighted"),
-    [(2, 2, 1, False), (1, 2, 2, False), (2, 1, 2, True)],
-    ids=["tp2-pp2", "pp2-dp2", "tp2-dp2-rollout-correction"],
+    ("tp_size", "pp_size", "dp_size", "weighted", "kl_type"),
+    [
+        (2, 2, 1, False, None),
+        (1, 2, 2, False, None),
+        (2, 1, 2, True, None),
+        (1, 2, 2, False, "k3"),
+        (2, 1, 2, False, "k1"),
+    ],
+    ids=["tp2-pp2", "pp2-dp2", "tp2-dp2-rollout-correction", "pp2-dp2-kl-k3", "tp2-dp2-kl-k1"],
 )
-def test_dapo_gradients_equal_an_independent_float64_reference(tmp_path, tp_size, pp_size, dp_size, weighted):
+def test_dapo_gradients_equal_an_independent_float64_reference(tmp_path, tp_size, pp_size, dp_size, weighted, kl_type):
     """With ``weighted``, the batch carries rollout-correction weights (TIS values, some
-    capped, and MIS zeros) that the reference multiplies into its token losses."""
+    capped, and MIS zeros) that the reference multiplies into its token losses. With
+    ``kl_type``, the loss adds the KL penalty to a reference policy that is another model
+    (so the penalty and its gradient are not zero at the first update)."""
     for tied in (False, True):
         model = tiny_hf_qwen2(tied, seed=3 + tied, attn_implementation="eager")
         _randomize_biases(model)
         model.save_pretrained(tmp_path / f"hf_tied{int(tied)}")
+        if kl_type is not None:
+            other = tiny_hf_qwen2(tied, seed=30 + tied, attn_implementation="eager")
+            _randomize_biases(other)
+            other.save_pretrained(tmp_path / f"hf_ref_tied{int(tied)}")
     launch_local(
         reference_worker.dapo_step_with_gradients,
         tp_size * pp_size * dp_size,
-        (str(tmp_path), tp_size, pp_size, dp_size, weighted),
+        (str(tmp_path), tp_size, pp_size, dp_size, weighted, False, kl_type),
     )
     for tied in (False, True):
         stages = [torch.load(tmp_path / f"ref_tied{int(tied)}_stage{s}.pt") for s in range(pp_size)]
@@ -107,7 +138,15 @@ def test_dapo_gradients_equal_an_independent_float64_reference(tmp_path, tp_size
             weights = None if index == 0 else _merged(stages, "weights_after", index - 1)
             model = _float64_model(hf_dir, tied, weights)
             rows = list(range(index * rows_per_mini, (index + 1) * rows_per_mini))
-            loss, ratios, _ = _reference_loss(model, batch, rows)
+            reference = None
+            if kl_type is not None:
+                reference = _float64_model(tmp_path / f"hf_ref_tied{int(tied)}", tied, None)
+                with torch.no_grad():
+                    ref_kl, _, mask = _reference_loss(model, batch, rows, reference, kl_type)
+                    pg_only, _, _ = _reference_loss(model, batch, rows)
+                kl_mean = (ref_kl - pg_only).item() / reference_worker.KL_COEF
+                assert abs(kl_mean) > 1e-2 and abs(metrics[index]["kl_loss"] - kl_mean) <= 1e-5 * max(1.0, abs(kl_mean))
+            loss, ratios, _ = _reference_loss(model, batch, rows, reference, kl_type)
             loss.backward()
             assert abs(metrics[index]["loss"] - loss.item()) <= 1e-5 * max(1.0, abs(loss.item()))
             if index == 0:

@@ -220,3 +220,32 @@ def test_tokens_beyond_the_log_ratio_bound_are_counted_and_get_no_gradient():
     assert float(metrics["pg_clipfrac_low"]) == 0 and float(metrics["pg_clipfrac_high"]) == 0
     _, inside = dapo_policy_loss(new.detach(), old.clamp(min=-20.0), torch.tensor([-1.0]), mask)
     assert float(inside["log_ratio_clamped"]) == 0
+
+
+def test_kl_estimators_and_their_place_in_the_loss():
+    """k1, k3 and low_var_kl against their formulas in float64; the penalty joins the loss
+    with the policy loss's denominator, unweighted by the rollout correction."""
+    from dapo_megatron.algo.loss import kl_penalty
+
+    log_p = torch.tensor([[-0.5, -2.0, -0.1, -30.0]], dtype=torch.float64)
+    ref = torch.tensor([[-0.7, -1.0, -0.1, -1.0]], dtype=torch.float64)
+    r = torch.exp(ref - log_p)
+    assert torch.allclose(kl_penalty(log_p, ref, "k1"), log_p - ref)
+    k3 = kl_penalty(log_p, ref, "k3")
+    assert torch.allclose(k3[:, :3], (r - torch.log(r) - 1)[:, :3]) and bool((k3 >= 0).all())
+    assert k3[0, 2] == 0  # equal policies: no penalty
+    low = kl_penalty(log_p, ref, "low_var_kl")
+    assert low[0, 3] == 10.0 and k3[0, 3] > 1e6  # one collapsed token cannot dominate
+    with pytest.raises(ValueError, match="kl type 'k2' is not one of k1, k3, low_var_kl"):
+        kl_penalty(log_p, ref, "k2")
+
+    mask = torch.tensor([[0, 1, 1, 0]], dtype=torch.float64)
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    weights = torch.tensor([[1.0, 0.5, 0.5, 1.0]], dtype=torch.float64)
+    base, _ = dapo_policy_loss(log_p, log_p, adv, mask, global_num_tokens=4, token_weights=weights)
+    with_kl, m = dapo_policy_loss(
+        log_p, log_p, adv, mask, global_num_tokens=4, token_weights=weights, ref_log_probs=ref, kl_coef=0.1, kl_type="k3"
+    )
+    expected_kl = (k3 * mask).sum() / 4  # the global denominator; weights do not touch it
+    assert torch.allclose(with_kl - base, 0.1 * expected_kl)
+    assert torch.allclose(m["kl_loss"], (k3 * mask).sum() / 2)  # per loss token of this batch

@@ -57,10 +57,10 @@ def test_every_config_key_is_read_outside_the_config_modules():
     unread = [dotted for dotted in leaves if not _is_read(dotted, code, shared)]
     assert unread == [], f"accepted but never read outside config.py: {unread}"
     # Negative control: a key nobody reads is found.
-    assert not _is_read("algorithm.use_kl_loss", code, shared)
+    assert not _is_read("checkpoint.async_save", code, shared)
 
 
-@pytest.mark.parametrize("key", ["algorithm.use_kl_loss", "algorithm.kl_loss_coef", "checkpoint.async_save"])
+@pytest.mark.parametrize("key", ["checkpoint.async_save"])
 def test_retired_keys_are_refused_with_the_reason(key):
     section, name = key.split(".")
     with pytest.raises(ConfigError, match=rf"{key} is not a setting: .*remove the key"):

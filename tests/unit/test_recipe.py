@@ -15,7 +15,6 @@ from dapo_megatron.plan import GIB, make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "qwen2_5_32b" / "dapo.yaml"
-SHARED_CONFIG = ROOT.parent / "shared" / "models" / "qwen2_5_32b_config.json"
 
 
 DEMO = ROOT / "examples" / "demo" / "demo.yaml"
@@ -43,9 +42,31 @@ def test_recipe_model_config_is_the_public_32b_one():
     import json
 
     shipped = json.loads((ROOT / "examples" / "qwen2_5_32b" / "config.json").read_text())
-    if SHARED_CONFIG.exists():
-        assert shipped == json.loads(SHARED_CONFIG.read_text())
-    assert shipped["num_hidden_layers"] == 64 and shipped["vocab_size"] == 152064
+    # The public Qwen2.5-32B base model's config.json, field by field.
+    assert shipped == {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "initializer_range": 0.02,
+        "intermediate_size": 27648,
+        "max_position_embeddings": 131072,
+        "max_window_layers": 64,
+        "model_type": "qwen2",
+        "num_attention_heads": 40,
+        "num_hidden_layers": 64,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": 131072,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 152064,
+    }
 
 
 def test_plan_counts_parameters_exactly_and_matches_a_hand_computation():
@@ -201,6 +222,18 @@ def test_an_engine_whose_weights_alone_do_not_fit_says_so_and_what_would(capsys)
         "rollout.engine_tp_size=2 with rollout.num_engines=64 (30.51 GiB of weights per GPU) would"
     ) in out
     assert "error: command line (rollout.num_engines, rollout.engine_tp_size, rollout.gpu_memory_utilization)" in err
+
+
+def test_plan_counts_the_kl_reference_policy_as_one_more_frozen_copy_of_the_weights(capsys):
+    """``algorithm.use_kl_loss``: the reference weights (bf16, the stage's parameters) and
+    nothing more (no gradients, no optimizer state), in both phases and in the table."""
+    base = make_plan(load_config(RECIPE)).memory
+    mem = make_plan(load_config(RECIPE, ["algorithm.use_kl_loss=true"])).memory
+    assert base.reference == 0 and mem.reference == 2 * mem.parameters == mem.weights
+    assert mem.gradients == base.gradients and mem.optimizer == base.optimizer
+    assert mem.train_phase - base.train_phase == mem.reference == mem.rollout_phase - base.rollout_phase
+    assert main(["plan", str(RECIPE), "algorithm.use_kl_loss=true"]) == 0
+    assert "KL reference policy (bf16, frozen)    3.82 GiB" in capsys.readouterr().out
 
 
 def test_plan_cli_prints_the_table(capsys):
