@@ -1,6 +1,6 @@
 """Ray orchestration: the cluster, the actor's ranks and the rollout engines as Ray actors.
 
-This package and the trainer are the only places that import Ray. The trainer talks to
+This package is the only place that imports Ray. The trainer talks to
 :class:`ActorGroup` and :class:`RolloutWorkers`, which hide where work runs and hand back
 one result per call; Ray handles, placement groups and the weight hand-off live here.
 """

@@ -244,7 +244,15 @@ def test_kl_estimators_and_their_place_in_the_loss():
     weights = torch.tensor([[1.0, 0.5, 0.5, 1.0]], dtype=torch.float64)
     base, _ = dapo_policy_loss(log_p, log_p, adv, mask, global_num_tokens=4, token_weights=weights)
     with_kl, m = dapo_policy_loss(
-        log_p, log_p, adv, mask, global_num_tokens=4, token_weights=weights, ref_log_probs=ref, kl_coef=0.1, kl_type="k3"
+        log_p,
+        log_p,
+        adv,
+        mask,
+        global_num_tokens=4,
+        token_weights=weights,
+        ref_log_probs=ref,
+        kl_coef=0.1,
+        kl_type="k3",
     )
     expected_kl = (k3 * mask).sum() / 4  # the global denominator; weights do not touch it
     assert torch.allclose(with_kl - base, 0.1 * expected_kl)
