@@ -7,7 +7,8 @@ machine, with or without megatron's GPU extras. Exit status: 0 on success, 2 for
 config or usage error (with a message that names the key, the value and the rule), 1 for
 a failure while running (a dead worker, a diverged run, dynamic sampling exhausted), 75
 when ``train`` stopped on SIGTERM/SIGUSR1 after saving (run it again with ``--resume``),
-130 on Ctrl-C.
+128 + the signal's number when such a signal came while it was still starting (nothing
+to save), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from dapo_megatron import __version__
+from dapo_megatron.bench.phases import PHASE_HELP, PHASES
 from dapo_megatron.config import ConfigError, load_config, source_of
 
 EXIT_USAGE = 2
@@ -26,7 +28,17 @@ EXIT_PREEMPTED = 75
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
+    from dapo_megatron.preflight import preflight
+
     config = load_config(args.file, args.overrides)
+    preflight(config)
+    if args.show_prompt is not None:
+        from dapo_megatron.data import describe_prompt
+        from dapo_megatron.trainer import load_run_data
+
+        tokenizer, train_data, _, _ = load_run_data(config)
+        print(describe_prompt(train_data, args.show_prompt, tokenizer))
+        return 0
     sys.stdout.write(config.to_yaml())
     return 0
 
@@ -59,19 +71,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
     from dapo_megatron.algo import DynamicSamplingExhausted
     from dapo_megatron.orchestration.calls import MemberFailed
+    from dapo_megatron.step import StartupInterrupted
 
     try:
-        result = train(config, resume=args.resume)
+        result = train(config, resume=args.resume or args.resume_from is not None, resume_from=args.resume_from)
     except (DynamicSamplingExhausted, TrainingDiverged) as exc:
         print(f"dapo-megatron train: error: {exc}", file=sys.stderr)
         return 1
     except Preempted as exc:
         print(f"dapo-megatron train: {exc}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except StartupInterrupted as exc:
+        print(f"dapo-megatron train: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except MemberFailed as exc:
         print(f"dapo-megatron train: error: {exc}", file=sys.stderr)
-        print(f"dapo-megatron train: {_resume_hint(config)}", file=sys.stderr)
+        print(f"dapo-megatron train: {_resume_hint(config, args.resume)}", file=sys.stderr)
         return 1
+    if result.already_complete:
+        print(
+            f"the run in {result.run_dir} is complete: its checkpoint {result.last_checkpoint} is at step "
+            f"{result.steps} of trainer.num_steps={config.trainer.num_steps}; nothing to do (raise "
+            "trainer.num_steps to train further)"
+        )
+        return 0
     summary = f"trained {result.steps} steps; run folder {result.run_dir}"
     if result.val_before is not None:
         summary += f"; validation accuracy {result.val_before:.1%} -> {result.val_after:.1%}"
@@ -80,8 +103,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_hint(config) -> str:
-    """Where a failed run can continue from."""
+def _resume_hint(config, resumed: bool) -> str:
+    """Where a failed run can continue from (``resumed``: it was itself a resumed run)."""
     from dapo_megatron.ckpt.dcp_io import latest_checkpoint
     from dapo_megatron.config import checkpoint_save_dir
 
@@ -91,16 +114,22 @@ def _resume_hint(config) -> str:
     except FileNotFoundError as exc:
         return f"the checkpoint folder is inconsistent: {exc}"
     if latest is None:
-        return f"no checkpoint was written to {save_dir} yet; start again without --resume"
-    return f"the last complete checkpoint is {latest}; add --resume to continue from it"
+        return (
+            f"no checkpoint was written to {save_dir} yet; run the same command without --resume to start again "
+            "(the folder is reused, its earlier metrics kept aside)"
+        )
+    return f"the last complete checkpoint is {latest}; {'run again with' if resumed else 'add'} --resume to continue"
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     import logging
 
     from dapo_megatron.evaluation import evaluate, format_table
+    from dapo_megatron.preflight import check_inputs_exist, check_reward
 
     config = load_config(args.file, args.overrides)
+    check_reward(config)
+    check_inputs_exist(config)
     logging.basicConfig(
         level=config.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
@@ -116,8 +145,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from dapo_megatron.bench.report import format_report
     from dapo_megatron.bench.run import BenchOptions, check_phases, run_bench
+    from dapo_megatron.preflight import check_inputs_exist, check_reward
 
     config = load_config(args.file, args.overrides)
+    check_reward(config)
+    check_inputs_exist(config)
     logging.basicConfig(
         level=config.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
@@ -130,7 +162,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         peak_tb_per_s=args.peak_tb_per_s,
         extra={"command": " ".join(["dapo-megatron", "bench", args.file, *args.overrides])},
     )
-    result = run_bench(config, options)
+    from dapo_megatron.step import StartupInterrupted
+
+    try:
+        result = run_bench(config, options)
+    except StartupInterrupted as exc:  # bench never gets past "starting": any signal ends it
+        print(f"dapo-megatron bench: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -208,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
         "model shape from model.hf_config, check the layout, and print the resolved config.",
     )
     _config_arguments(config, _cmd_config)
+    config.add_argument(
+        "--show-prompt",
+        type=int,
+        metavar="N",
+        help="instead of the config, show training prompt N (from 0) as the model gets it: the rendered text, its "
+        "tokens, and what the tokenizer turns them back into (a tokenizer that cannot represent the text shows here)",
+    )
 
     plan = commands.add_parser(
         "plan",
@@ -231,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the latest complete checkpoint of the run folder (or checkpoint.load_dir): actor, "
         "optimizer, step and data position",
     )
+    train.add_argument(
+        "--resume-from",
+        metavar="CHECKPOINT",
+        help="continue the run from this checkpoint of its own (e.g. the one before a damaged latest one); later "
+        "steps' metrics are dropped and their checkpoints replaced as the run reaches them again",
+    )
 
     evaluate = commands.add_parser(
         "eval",
@@ -242,7 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     weights = evaluate.add_mutually_exclusive_group(required=True)
     weights.add_argument("--ckpt", help="a Megatron checkpoint (or a save folder with a 'latest' file)")
     weights.add_argument("--hf-dir", help="an HF model folder (safetensors)")
-    evaluate.add_argument("--out", help="output folder (default: <trainer.output_dir>/eval/<name>-<time>)")
+    evaluate.add_argument(
+        "--out",
+        help="output folder (default: eval/<name>-<time> in the run folder the weights come from, else beside them)",
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -252,7 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
         "model FLOPs and their fraction of a plain matmul, a plain copy and (on a GPU) the published peak.",
     )
     _config_arguments(bench, _cmd_bench)
-    bench.add_argument("--phases", default="generate,logprob,train,sync,reward,step", help="comma-separated")
+    bench.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help="comma-separated, from: " + "; ".join(f"{name} ({what})" for name, what in PHASE_HELP.items()),
+    )
     bench.add_argument("--steps", type=int, default=3, help="measured repetitions of each phase (default 3)")
     bench.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first (default 1)")
     bench.add_argument("--json", metavar="FILE", help="write every figure to FILE")
@@ -270,10 +328,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_arguments(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """``parser``'s arguments, with a config-driven command's ``key=value`` overrides
+    allowed anywhere after its FILE (``train run.yaml --resume a.b=1`` as well as
+    ``train run.yaml a.b=1 --resume``), in the order given."""
+    args, extras = parser.parse_known_args(argv)
+    unknown = [e for e in extras if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extras:
+        args.overrides = [*args.overrides, *extras]
+    return args
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

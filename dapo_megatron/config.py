@@ -332,7 +332,8 @@ class CheckpointConfig:
     load_dir: Optional[str] = None
     """Resume from the latest checkpoint here (any tp/pp layout)."""
     keep_last: int = 3
-    """Number of checkpoints to keep; older ones are deleted after a successful save."""
+    """Number of checkpoints to keep; older ones are deleted after a successful save
+    (0 keeps every one)."""
     export_hf: bool = True
     """At the end of a run, write the final policy as an HF checkpoint to
     ``<output_dir>/hf_final`` through the converter (verified as ``convert`` verifies; a
@@ -722,6 +723,18 @@ def _validate_ranges(config: Config, fail) -> None:
         fail(("parallel.gpu_memory_gb",), f"parallel.gpu_memory_gb={p.gpu_memory_gb} must be > 0")
     positive(d, "data", "train_batch_size", "gen_batch_size", "mini_batch_size")
     positive(t, "trainer", "num_steps", "micro_batch_max_tokens")
+    # Counts where 0 means "never" or "all"; a negative one has no meaning (a negative
+    # keep_last would delete the newest checkpoints).
+    for dotted, meaning in (
+        ("checkpoint.save_every", "0 disables saving"),
+        ("checkpoint.keep_last", "0 keeps every checkpoint"),
+        ("trainer.val_every", "0 disables validation during the run"),
+        ("logging.log_every", "0 and 1 print every step"),
+    ):
+        section, name = dotted.split(".")
+        value = getattr(getattr(config, section), name)
+        if value < 0:
+            fail((dotted,), f"{dotted}={value} must be >= 0 ({meaning})")
 
 
 def _nearest(candidates: Any, value: int, key: str) -> str:

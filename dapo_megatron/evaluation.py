@@ -4,7 +4,7 @@ DAPO reports AIME 2024 as avg@32: 32 responses per problem sampled at temperatur
 top-p 0.7, and the mean accuracy over all of them. This command computes that number for
 any checkpoint with the run config's validation settings (``data.val_files``,
 ``rollout.val_n_samples``, ``rollout.val_temperature``, ``rollout.val_top_p``) through the
-same code the trainer validates with (:func:`trainer.evaluate_policy`: the same engines,
+same code the trainer validates with (:func:`evaluate_policy`: the same engines,
 reward and metrics), so an ``eval`` figure and a validation curve are comparable.
 
 Problems repeated in the files (the published AIME parquet repeats each of its 30 problems
@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from dapo_megatron.algo.rewards.pool import RewardPool
+from dapo_megatron.ckpt.convert import export_hf
 from dapo_megatron.config import Config, ConfigError, hf_weights_folder
+from dapo_megatron.experience import Sample, validation_metrics
+from dapo_megatron.orchestration.rollout import RolloutWorkers
+from dapo_megatron.rollout.engine import SamplingParams
+from dapo_megatron.step import generate_and_score
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +58,8 @@ def evaluate(
 ) -> EvalResult:
     """Evaluate a Megatron checkpoint (``ckpt``: a checkpoint or a save folder with
     ``latest``) or an HF folder (``hf_dir``) on ``data.val_files``."""
-    from dapo_megatron.algo.rewards.pool import RewardPool
     from dapo_megatron.data import load_tokenizer, validation_dataset
     from dapo_megatron.orchestration.cluster import RayCluster
-    from dapo_megatron.orchestration.rollout import RolloutWorkers
-    from dapo_megatron.trainer import evaluate_policy, export_hf
 
     if (ckpt is None) == (hf_dir is None):
         raise ConfigError("eval needs exactly one of --ckpt (a Megatron checkpoint) and --hf-dir (an HF folder)")
@@ -66,11 +69,7 @@ def evaluate(
     source = Path(ckpt or hf_dir)
     if not source.exists():
         raise ConfigError(f"{'--ckpt' if ckpt else '--hf-dir'} {source} does not exist")
-    out = (
-        Path(out_dir)
-        if out_dir
-        else Path(config.trainer.output_dir) / "eval" / f"{source.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    out = Path(out_dir) if out_dir else default_eval_dir(source)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(
             f"eval output folder {out} already holds files; choose another --out (nothing is overwritten)"
@@ -108,6 +107,21 @@ def evaluate(
         for record in problems:
             handle.write(json.dumps(record) + "\n")
     return EvalResult(summary, problems, out)
+
+
+RUN_FOLDER_MARKERS = ("metrics.jsonl", "config.yaml")
+"""Files a run folder of ``train`` holds."""
+
+
+def default_eval_dir(source: Path) -> Path:
+    """``eval/<name>-<time>`` in the run folder the evaluated weights belong to (a
+    checkpoint under ``<run>/checkpoints``, a run's ``hf_final``: the nearest folder
+    above ``source`` that holds a run's files), else next to ``source`` itself."""
+    name = f"{source.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for folder in list(source.resolve().parents)[:3]:
+        if any((folder / marker).is_file() for marker in RUN_FOLDER_MARKERS):
+            return folder / "eval" / name
+    return source.resolve().parent / "eval" / name
 
 
 def _summary(
@@ -162,3 +176,24 @@ def format_table(summary: dict) -> str:
             f"k = {k} samples per problem at temperature {summary['temperature']:g}, top-p {summary['top_p']:g})"
         )
     return "\n".join(lines)
+
+
+def validation_sampling(config: Config, tokenizer) -> SamplingParams:
+    """``rollout.val_*``: the sampling of validation and ``eval`` (seeded: repeatable)."""
+    r = config.rollout
+    return SamplingParams(
+        r.val_temperature, r.val_top_p, -1, r.max_response_length, (tokenizer.eos_token_id,), seed=r.seed
+    )
+
+
+def evaluate_policy(
+    engines: RolloutWorkers, rewards: RewardPool, prompts: list, config: Config, tokenizer
+) -> tuple[dict[str, float], list[Sample]]:
+    """avg@k and pass@k of the engines' policy on ``prompts`` (k = rollout.val_n_samples),
+    overall and per data source; and the scored samples."""
+    start = time.perf_counter()
+    n = config.rollout.val_n_samples
+    samples = generate_and_score(
+        engines, rewards, prompts, validation_sampling(config, tokenizer), n, -1, config, tokenizer, {}
+    )
+    return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}, samples

@@ -1,7 +1,9 @@
 """One DAPO step on the running system: what ``train`` and ``bench`` both run.
 
 :func:`start_system` starts the parts of a run (Ray, the reward pool, the actor's
-ranks, the rollout engines) and :class:`Stepper` runs steps on them: generate and score
+ranks, the rollout engines), :func:`load_run_data` reads what they work on and
+:func:`load_initial_weights` gives the actor its first weights (and the KL penalty's
+reference, :func:`reference_weights`); :class:`Stepper` runs steps on them: generate and score
 until dynamic sampling has the batch, advantages, the actor's old log-probs (or the
 engine's, with ``algorithm.use_rollout_log_probs``), the mismatch metrics and the
 rollout correction, the DAPO updates, the weight sync. With
@@ -28,8 +30,14 @@ from dapo_megatron.algo import DynamicSamplingAccumulator
 from dapo_megatron.algo.metrics import rollout_consistency
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.algo.rollout_correction import correction_weights, mismatch_metrics
-from dapo_megatron.config import Config, rollout_correction_of
-from dapo_megatron.data import PromptLoader
+from dapo_megatron.config import Config, ConfigError, hf_weights_folder, rollout_correction_of
+from dapo_megatron.data import (
+    PromptDataset,
+    PromptLoader,
+    load_tokenizer,
+    validation_dataset,
+    warn_if_prompts_lose_text,
+)
 from dapo_megatron.experience import (
     Sample,
     apply_rewards,
@@ -43,6 +51,7 @@ from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.orchestration.calls import cause_of
 from dapo_megatron.orchestration.cluster import RayCluster, async_shares_devices
 from dapo_megatron.orchestration.rollout import RolloutWorkers
+from dapo_megatron.preflight import check_tokenizer_fits
 from dapo_megatron.rollout.engine import SamplingParams, SyncStats, sampling_seeds
 
 logger = logging.getLogger(__name__)
@@ -51,18 +60,38 @@ PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 """What SLURM sends before it preempts or ends a job (``--signal`` chooses USR1 and when)."""
 
 
+class StartupInterrupted(Exception):
+    """A preemption signal arrived while the system was starting: there is no step to
+    finish and nothing to save, so the start is abandoned (everything it started is
+    stopped, the Ray token removed) at once."""
+
+    def __init__(self, signal_name: str, signum: int) -> None:
+        super().__init__(f"received {signal_name} while the run was starting; everything it started was stopped")
+        self.signal_name, self.signum = signal_name, signum
+
+
 class StopRequest:
     """Catches the preemption signals while a run is live: the first is remembered (the
     step in progress finishes, then the run saves and stops); later ones are only logged,
-    so a second signal cannot interrupt the save."""
+    so a second signal cannot interrupt the save. Until :meth:`running` is called (the
+    system is still starting: placing ranks, loading weights), a signal raises
+    :class:`StartupInterrupted` instead: a start that waits on resources must not keep a
+    job's allocation, or leave its files, after it was told to stop."""
 
     def __init__(self) -> None:
         self.signal_name: Optional[str] = None
+        self.starting = True
+
+    def running(self) -> None:
+        """The system has started: from now on a signal stops the run after its step."""
+        self.starting = False
 
     def __call__(self, signum, frame) -> None:
         import signal
 
         name = signal.Signals(signum).name
+        if self.starting:
+            raise StartupInterrupted(name, signum)
         if self.signal_name is None:
             self.signal_name = name
             logger.warning("received %s: finishing this step, then saving a checkpoint and stopping", name)
@@ -226,6 +255,7 @@ class Stepper:
         self.ahead: Optional[tuple[list[Sample], dict[str, float], dict[str, float]]] = None
         self.failed_ahead: Optional[GenerationAheadFailed] = None
         self.engines_behind = False  # the last step's sync was skipped
+        self.histograms: dict[str, torch.Tensor] = {}  # the last step's distributions (name -> values)
 
     def close(self) -> None:
         """Nothing to wait for: a generation still running ahead is abandoned (its thread
@@ -333,6 +363,11 @@ class Stepper:
             "staleness/mean": sum(staleness) / len(staleness),
             "staleness/max": float(max(staleness)),
         }
+        # Distributions, for TensorBoard's histograms (the trainer logs them with the step).
+        self.histograms = {"response/length": torch.tensor([float(len(s.response_ids)) for s in samples])}
+        if entropy is not None:  # the actor's old log-probs against the engine's, per loss token
+            mask = batch.response_mask().bool()
+            self.histograms["rollout/log_prob_gap"] = (batch.old_log_probs - rollout_log_probs)[mask].float()
         metrics["time/step"] = time.perf_counter() - start
         if not self.asynchronous:  # phases overlap in async mode: no remainder to speak of
             metrics["time/outside_phases"] = metrics["time/step"] - sum(times.values())
@@ -498,3 +533,70 @@ def _update_metrics(all_updates: list[dict[str, float]]) -> dict[str, float]:
         "actor/nonfinite_updates": sum(u.get("nonfinite", 0.0) for u in updates),
         "actor/tokens": float(tokens),
     }
+
+
+def load_run_data(config: Config) -> tuple:
+    """The tokenizer, the training and validation prompts, and the training loader at
+    its start: ``(tokenizer, train_data, val_data or None, loader)``."""
+    r, d = config.rollout, config.data
+    tokenizer = load_tokenizer(d, hf_weights_folder(config.model))
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"the tokenizer of data.tokenizer={d.tokenizer!r} has no EOS token to stop responses on")
+    check_tokenizer_fits(config, tokenizer)
+    train_data = PromptDataset(d.train_files, tokenizer, d, r.max_prompt_length)
+    warn_if_prompts_lose_text(train_data, tokenizer)
+    val_data = validation_dataset(d.val_files, tokenizer, d, r.max_prompt_length) if d.val_files else None
+    return tokenizer, train_data, val_data, PromptLoader(train_data, seed=d.seed, shuffle=d.shuffle)
+
+
+def initial_weights(config: Config) -> Optional[tuple[str, str]]:
+    """Where a run's initial weights come from, as ``(source, path)``: a converted Megatron
+    checkpoint (``checkpoint.load_dir``: ``megatron``), else the HF folder's safetensors
+    (``hf``, converted on load); None for the random initialisation."""
+    from dapo_megatron.ckpt.dcp_io import latest_checkpoint
+
+    load_dir = config.checkpoint.load_dir
+    if load_dir is not None:
+        path = latest_checkpoint(load_dir) or Path(load_dir)
+        if not Path(path).exists():
+            raise ConfigError(f"checkpoint.load_dir={load_dir!r} does not exist")
+        return "megatron", str(path)
+    folder = hf_weights_folder(config.model)
+    if folder is not None and any(folder.glob("*.safetensors")):
+        return "hf", str(folder)
+    if config.model.hf_weights is not None:
+        raise ConfigError(
+            f"model.hf_weights={config.model.hf_weights!r} holds no *.safetensors files; point it at an HF model "
+            f"folder (for the demo, run `make demo` or examples/demo/prepare.py first)"
+        )
+    return None
+
+
+def load_initial_weights(actor: ActorGroup, config: Config) -> None:
+    """The run's :func:`initial_weights` into the actor, else the random initialisation
+    (with a warning)."""
+    initial = initial_weights(config)
+    if initial is None:
+        logger.warning(
+            "no checkpoint.load_dir and no safetensors next to model.hf_config: training from random weights"
+        )
+        return
+    source, path = initial
+    kind = "Megatron checkpoint" if source == "megatron" else "HF checkpoint (converted on load)"
+    logger.info("initial weights from the %s %s", kind, path)
+    actor.load_weights(source, path)
+
+
+def reference_weights(config: Config) -> Optional[tuple[str, str]]:
+    """With ``algorithm.use_kl_loss``: the reference policy's weights, the run's initial
+    ones (also on resume); refused when the run has none to hold (random initialisation)."""
+    if not config.algorithm.use_kl_loss:
+        return None
+    initial = initial_weights(config)
+    if initial is None:
+        raise ConfigError(
+            "algorithm.use_kl_loss: the KL penalty's reference policy is the run's initial weights, and this run has "
+            "none (no checkpoint.load_dir, no safetensors in model.hf_weights); give it initial weights or turn the "
+            "penalty off"
+        )
+    return initial

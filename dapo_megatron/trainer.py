@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -26,15 +27,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dapo_megatron.actor.checkpoint import checkpoint_dir
-from dapo_megatron.algo.rewards.pool import RewardPool
-from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir, hf_weights_folder
-from dapo_megatron.data import PromptDataset, PromptLoader, load_tokenizer, validation_dataset
-from dapo_megatron.experience import Sample, load_samples, save_samples, validation_metrics
+from dapo_megatron.actor.checkpoint import checkpoint_dir, list_checkpoints, point_latest_at
+from dapo_megatron.ckpt.convert import export_hf
+from dapo_megatron.ckpt.dcp_io import checkpoint_problem
+from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir
+from dapo_megatron.data import PromptLoader
+from dapo_megatron.evaluation import evaluate_policy
+from dapo_megatron.experience import load_samples, save_samples
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.orchestration.rollout import RolloutWorkers
-from dapo_megatron.rollout.engine import SamplingParams
-from dapo_megatron.step import GenerationAheadFailed, Stepper, generate_and_score, start_system, training_sampling
+from dapo_megatron.preflight import preflight
+from dapo_megatron.step import (
+    GenerationAheadFailed,
+    Stepper,
+    load_initial_weights,
+    load_run_data,
+    reference_weights,
+    start_system,
+    training_sampling,
+)
 from dapo_megatron.tracking import MetricsLogger
 
 logger = logging.getLogger(__name__)
@@ -109,6 +120,8 @@ class TrainResult:
     """Validation accuracy after the last step, when validated."""
     last_checkpoint: Optional[str]
     """The last checkpoint written."""
+    already_complete: bool = False
+    """The run was complete before this call (resumed at ``num_steps``): nothing ran."""
 
 
 def train(
@@ -116,57 +129,67 @@ def train(
     inspect: Optional[Callable[[ActorGroup, RolloutWorkers], None]] = None,
     *,
     resume: bool = False,
+    resume_from: Optional[str | Path] = None,
 ) -> TrainResult:
     """Run DAPO steps up to ``config.trainer.num_steps``; see the module docstring.
 
     ``resume``: continue from the latest complete checkpoint of ``checkpoint.load_dir``,
     else of the run's checkpoint folder: the actor's whole state (any tp/pp layout) and
     the trainer's (step, data position), so the continued run takes the same steps an
-    uninterrupted one would. ``inspect``, when given, is called with the actor and the
-    engines after the last step, before they are shut down (tests compare the engines'
-    weights with the actor's).
+    uninterrupted one would. ``resume_from``: continue from that checkpoint instead (one
+    before a damaged latest one); later checkpoints of the run are moved aside. A run
+    whose checkpoint is already at ``num_steps`` is complete: nothing starts, and the
+    result says so. A run folder whose earlier attempt left no checkpoint (it failed or
+    was stopped before its first save) is reused, its files kept aside. ``inspect``, when
+    given, is called with the actor and the engines after the last step, before they are
+    shut down (tests compare the engines' weights with the actor's).
     """
+    preflight(config)
     run_dir = Path(config.trainer.output_dir)
     save_dir = str(checkpoint_save_dir(config))
-    resume_from = _resume_point(config, save_dir) if resume else None
-    earlier = run_dir / "metrics.jsonl"
-    if resume_from is None and earlier.exists() and earlier.stat().st_size:
-        raise ConfigError(
-            f"trainer.output_dir={str(run_dir)!r} already holds a run (metrics.jsonl); pass --resume to continue "
-            "it, or choose another trainer.output_dir (nothing in it is touched)"
-        )
-    start_step = resume_from[1]["step"] if resume_from else 0
+    point = _resume_point(config, save_dir, resume_from) if resume or resume_from is not None else None
+    start_step = point[1]["step"] if point else 0
+    if point is not None and start_step >= config.trainer.num_steps:
+        logger.info("%s is at step %d of %d: the run is complete", point[0], start_step, config.trainer.num_steps)
+        return TrainResult(run_dir, start_step, None, None, str(point[0]), already_complete=True)
+    earlier_attempt = point is None and _earlier_attempt(run_dir, save_dir)
     reference = reference_weights(config)  # refused before anything starts
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_name = f"config.resumed_at_step_{start_step}.yaml" if resume_from else "config.yaml"
-    (run_dir / config_name).write_text(config.to_yaml())
     tokenizer, train_data, val_data, loader = load_run_data(config)
-    if resume_from is not None:
-        _check_resumable(resume_from, config, len(train_data.prompts))
-        loader.load_state_dict(resume_from[1]["data"])
+    if point is not None:
+        _check_resumable(point, config, len(train_data.prompts))
+        loader.load_state_dict(point[1]["data"])
     sampling = training_sampling(config, tokenizer)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"trainer.output_dir={str(run_dir)!r}: cannot create the run folder: {exc}") from None
 
     with ExitStack() as stack:
         system = start_system(config, run_dir, stack)
         actor, engines, rewards, stop = system.actor, system.engines, system.rewards, system.stop
-        metrics_log = MetricsLogger(
-            run_dir, config.logging, config.trainer.num_steps, resume_after=start_step if resume_from else None
-        )
-        stack.callback(metrics_log.close)
-
-        if resume_from is not None:
-            restored = actor.load_checkpoint(str(resume_from[0]), config.trainer.seed)
+        if point is not None:
+            restored = actor.load_checkpoint(str(point[0]), config.trainer.seed)
             if restored != start_step:
-                raise ConfigError(
-                    f"{resume_from[0]}: the actor is at step {restored}, its trainer state at {start_step}"
-                )
-            logger.info("resumed from %s: continuing after step %d", resume_from[0], start_step)
+                raise ConfigError(f"{point[0]}: the actor is at step {restored}, its trainer state at {start_step}")
+            logger.info("resumed from %s: continuing after step %d", point[0], start_step)
         else:
             load_initial_weights(actor, config)
         if reference is not None:
             actor.load_reference(*reference)
+        # The run has started: now its files change (a run refused above leaves none).
+        if earlier_attempt:
+            _set_earlier_attempt_aside(run_dir)
+        if resume_from is not None:
+            _supersede_later_checkpoints(save_dir, point[0], start_step)
+        config_name = f"config.resumed_at_step_{start_step}.yaml" if point else "config.yaml"
+        (run_dir / config_name).write_text(config.to_yaml())
+        metrics_log = MetricsLogger(
+            run_dir, config.logging, config.trainer.num_steps, resume_after=start_step if point else None
+        )
+        stack.callback(metrics_log.close)
         # The engines start from the actor's weights: both sides hold the same policy.
         system.sync_engines(start_step)
+        stop.running()
 
         def validate(step: int) -> Optional[float]:
             if val_data is None:
@@ -175,8 +198,8 @@ def train(
             metrics_log.log(step, values, console=True)
             return values["val/accuracy"]
 
-        val_before = validate(0) if config.trainer.val_before_train and resume_from is None else None
-        last_checkpoint = str(resume_from[0]) if resume_from else None
+        val_before = validate(0) if config.trainer.val_before_train and point is None else None
+        last_checkpoint = str(point[0]) if point else None
 
         def save(step: int) -> str:
             """The actor's checkpoint of ``step``, with the trainer's state inside it, and
@@ -199,14 +222,14 @@ def train(
         bad_steps = BadStepCounter(config.trainer.max_bad_steps_in_a_row)
         stepper = Stepper(system, loader, sampling, tokenizer, version=start_step)
         stack.callback(stepper.close)
-        ahead_file = resume_from[1].get("generated_ahead") if resume_from is not None else None
+        ahead_file = point[1].get("generated_ahead") if point is not None else None
         if ahead_file is not None and not isinstance(ahead_file, str):
             raise ConfigError(
-                f"{resume_from[0]}: its batch generated ahead is in the JSON format of an earlier version; resume it "
+                f"{point[0]}: its batch generated ahead is in the JSON format of an earlier version; resume it "
                 "with that version, or start a new run from its weights (checkpoint.load_dir, without --resume)"
             )
         if ahead_file:
-            samples, extra = load_samples(resume_from[0] / ahead_file)
+            samples, extra = load_samples(point[0] / ahead_file)
             stepper.load_state_dict((samples, extra["metrics"], extra["times"]))
         for step in range(start_step + 1, config.trainer.num_steps + 1):
             due = config.checkpoint.save_every and (
@@ -221,6 +244,8 @@ def train(
             # of this step: it is logged and saved first.
             failed = stepper.take_failure()
             metrics_log.log(step, step_metrics)
+            for name, values in stepper.histograms.items():
+                metrics_log.log_histogram(step, name, values)
             bad_steps.record(step, step_metrics, last_checkpoint)
             if due or stop.signal_name is not None or failed is not None:
                 last_checkpoint = save(step)
@@ -246,109 +271,6 @@ def train(
         if inspect is not None:
             inspect(actor, engines)
     return TrainResult(run_dir, config.trainer.num_steps, val_before, val_after, last_checkpoint)
-
-
-def load_run_data(config: Config) -> tuple:
-    """The tokenizer, the training and validation prompts, and the training loader at
-    its start: ``(tokenizer, train_data, val_data or None, loader)``."""
-    r, d = config.rollout, config.data
-    tokenizer = load_tokenizer(d, hf_weights_folder(config.model))
-    if tokenizer.eos_token_id is None:
-        raise ConfigError(f"the tokenizer of data.tokenizer={d.tokenizer!r} has no EOS token to stop responses on")
-    train_data = PromptDataset(d.train_files, tokenizer, d, r.max_prompt_length)
-    val_data = validation_dataset(d.val_files, tokenizer, d, r.max_prompt_length) if d.val_files else None
-    return tokenizer, train_data, val_data, PromptLoader(train_data, seed=d.seed, shuffle=d.shuffle)
-
-
-def validation_sampling(config: Config, tokenizer) -> SamplingParams:
-    """``rollout.val_*``: the sampling of validation and ``eval`` (seeded: repeatable)."""
-    r = config.rollout
-    return SamplingParams(
-        r.val_temperature, r.val_top_p, -1, r.max_response_length, (tokenizer.eos_token_id,), seed=r.seed
-    )
-
-
-def evaluate_policy(
-    engines: RolloutWorkers, rewards: RewardPool, prompts: list, config: Config, tokenizer
-) -> tuple[dict[str, float], list[Sample]]:
-    """avg@k and pass@k of the engines' policy on ``prompts`` (k = rollout.val_n_samples),
-    overall and per data source; and the scored samples."""
-    start = time.perf_counter()
-    n = config.rollout.val_n_samples
-    samples = generate_and_score(
-        engines, rewards, prompts, validation_sampling(config, tokenizer), n, -1, config, tokenizer, {}
-    )
-    return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}, samples
-
-
-def initial_weights(config: Config) -> Optional[tuple[str, str]]:
-    """Where a run's initial weights come from, as ``(source, path)``: a converted Megatron
-    checkpoint (``checkpoint.load_dir``: ``megatron``), else the HF folder's safetensors
-    (``hf``, converted on load); None for the random initialisation."""
-    from dapo_megatron.ckpt.dcp_io import latest_checkpoint
-
-    load_dir = config.checkpoint.load_dir
-    if load_dir is not None:
-        path = latest_checkpoint(load_dir) or Path(load_dir)
-        if not Path(path).exists():
-            raise ConfigError(f"checkpoint.load_dir={load_dir!r} does not exist")
-        return "megatron", str(path)
-    folder = hf_weights_folder(config.model)
-    if folder is not None and any(folder.glob("*.safetensors")):
-        return "hf", str(folder)
-    if config.model.hf_weights is not None:
-        raise ConfigError(
-            f"model.hf_weights={config.model.hf_weights!r} holds no *.safetensors files; point it at an HF model "
-            f"folder (for the demo, run `make demo` or examples/demo/prepare.py first)"
-        )
-    return None
-
-
-def load_initial_weights(actor: ActorGroup, config: Config) -> None:
-    """The run's :func:`initial_weights` into the actor, else the random initialisation
-    (with a warning)."""
-    initial = initial_weights(config)
-    if initial is None:
-        logger.warning(
-            "no checkpoint.load_dir and no safetensors next to model.hf_config: training from random weights"
-        )
-        return
-    source, path = initial
-    kind = "Megatron checkpoint" if source == "megatron" else "HF checkpoint (converted on load)"
-    logger.info("initial weights from the %s %s", kind, path)
-    actor.load_weights(source, path)
-
-
-def reference_weights(config: Config) -> Optional[tuple[str, str]]:
-    """With ``algorithm.use_kl_loss``: the reference policy's weights, the run's initial
-    ones (also on resume); refused when the run has none to hold (random initialisation)."""
-    if not config.algorithm.use_kl_loss:
-        return None
-    initial = initial_weights(config)
-    if initial is None:
-        raise ConfigError(
-            "algorithm.use_kl_loss: the KL penalty's reference policy is the run's initial weights, and this run has "
-            "none (no checkpoint.load_dir, no safetensors in model.hf_weights); give it initial weights or turn the "
-            "penalty off"
-        )
-    return initial
-
-
-def export_hf(checkpoint: str | Path, config: Config, out: Path) -> None:
-    """A Megatron checkpoint as HF safetensors, verified as ``convert`` verifies, with
-    config.json from ``model.hf_config`` and the tokenizer files copied (the final policy
-    of a run; ``eval --ckpt``)."""
-    from dapo_megatron.ckpt.convert import copy_tokenizer_files, megatron_to_hf, silenced
-
-    if config.model.hf_config is None:
-        raise ConfigError("exporting a checkpoint to HF needs model.hf_config (the model's config.json)")
-    with silenced(True):  # the verification's library warnings; errors still raise
-        report = megatron_to_hf(checkpoint, config.model.hf_config, out, overwrite=True, progress=False)
-    tokenizer_dir = config.data.tokenizer or hf_weights_folder(config.model)
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(Path(tokenizer_dir), out)
-    checked = f"verified (max relative logit error {report.max_logit_error:.1e})" if report.verified else "not verified"
-    logger.info("%s exported to %s (%s)", checkpoint, out, checked)
 
 
 TRAINER_STATE = "trainer_state.json"
@@ -394,11 +316,62 @@ def _trainer_state(step: int, loader: PromptLoader, config: Config, num_prompts:
     )
 
 
-def _resume_point(config: Config, save_dir: str) -> tuple[Path, dict]:
-    """The latest complete checkpoint to resume from and its trainer state: the run's own
-    checkpoint folder first, else ``checkpoint.load_dir``."""
+def _read_trainer_state(path: Path) -> dict:
+    """The trainer state inside checkpoint ``path``; a missing or damaged file is refused,
+    naming it (and the previous complete checkpoint of its folder, when there is one)."""
+    state_file = path / TRAINER_STATE
+    if not state_file.is_file():
+        raise ConfigError(
+            f"{path} has no {TRAINER_STATE}: it was not written by `dapo-megatron train`, so there is no data "
+            f"position to resume; to start a new run from its weights, set checkpoint.load_dir={path} without --resume"
+        )
+    try:
+        state = json.loads(state_file.read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError("no step in it")
+    except ValueError as exc:  # JSONDecodeError included
+        raise ConfigError(f"{state_file} is damaged ({exc}){_previous_complete(path.parent, path)}") from None
+    return state
+
+
+def _checked(path: Path) -> tuple[Path, dict]:
+    """``(path, trainer state)`` of a checkpoint whose files are all there in full."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ConfigError(f"cannot resume from {path}: {problem}{_previous_complete(path.parent, path)}")
+    return path, _read_trainer_state(path)
+
+
+def _previous_complete(save_dir: Path, damaged: Optional[Path]) -> str:
+    """``"; the previous complete checkpoint is ..."``: the newest checkpoint of ``save_dir``
+    other than ``damaged`` whose files and trainer state are whole, and how to continue."""
+    for candidate in reversed(list_checkpoints(save_dir)):
+        if damaged is not None and candidate.resolve() == damaged.resolve():
+            continue
+        if checkpoint_problem(candidate) is not None:
+            continue
+        try:
+            step = json.loads((candidate / TRAINER_STATE).read_text())["step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        return (
+            f"; the previous complete checkpoint is {candidate} (step {step}): continue from it with "
+            f"`--resume-from {candidate}` (the damaged one is kept, moved aside)"
+        )
+    return f"; {save_dir} holds no other complete checkpoint"
+
+
+def _resume_point(config: Config, save_dir: str, explicit: Optional[str | Path] = None) -> tuple[Path, dict]:
+    """The checkpoint to resume from and its trainer state: ``explicit`` when given, else
+    the latest complete checkpoint of the run's checkpoint folder, else of
+    ``checkpoint.load_dir``. A damaged one is refused naming the bad file and offering
+    the previous complete checkpoint."""
     from dapo_megatron.ckpt.dcp_io import latest_checkpoint
 
+    if explicit is not None:
+        if not Path(explicit).is_dir():
+            raise ConfigError(f"--resume-from {explicit}: no such checkpoint folder")
+        return _checked(Path(explicit))
     sources = [("the run's checkpoint folder", save_dir)]
     if config.checkpoint.load_dir:
         sources.append(("checkpoint.load_dir", config.checkpoint.load_dir))
@@ -407,22 +380,75 @@ def _resume_point(config: Config, save_dir: str) -> tuple[Path, dict]:
         try:
             path = latest_checkpoint(source)
         except FileNotFoundError as exc:
-            raise ConfigError(f"cannot resume from {key} {source}: {exc}") from None
+            raise ConfigError(
+                f"cannot resume from {key} {source}: {exc}{_previous_complete(Path(source), None)}"
+            ) from None
         if path is not None:
             break
     if path is None:
         where = " or ".join(f"{key} {source}" for key, source in sources)
         raise ConfigError(
-            f"nothing to resume: no checkpoint in {where}; start the run without --resume "
-            f"(checkpoints are written every checkpoint.save_every steps)"
+            f"nothing to resume: no checkpoint in {where}; start the run without --resume (a run folder "
+            "without checkpoints is reused, its earlier files kept aside)"
         )
-    state_file = path / TRAINER_STATE
-    if not state_file.is_file():
+    return _checked(path)
+
+
+def _has_checkpoint(save_dir: str) -> bool:
+    from dapo_megatron.ckpt.dcp_io import LATEST
+
+    return bool(list_checkpoints(save_dir)) or (Path(save_dir) / LATEST).exists()
+
+
+def _earlier_attempt(run_dir: Path, save_dir: str) -> bool:
+    """Whether ``run_dir`` holds an earlier attempt that left no checkpoint (it is reused,
+    its files set aside when the run starts); a run with checkpoints is refused."""
+    earlier = run_dir / "metrics.jsonl"
+    if not (earlier.exists() and earlier.stat().st_size):
+        return False
+    if _has_checkpoint(save_dir):
         raise ConfigError(
-            f"{path} has no {TRAINER_STATE}: it was not written by `dapo-megatron train`, so there is no data "
-            f"position to resume; to start a new run from its weights, set checkpoint.load_dir={path} without --resume"
+            f"trainer.output_dir={str(run_dir)!r} already holds a run with checkpoints in {save_dir}; pass --resume "
+            "to continue it, or choose another trainer.output_dir (nothing in it is touched)"
         )
-    return path, json.loads(state_file.read_text())
+    return True
+
+
+EARLIER_ATTEMPT_FILES = ("metrics.jsonl", "tensorboard", "config.yaml")
+"""What an earlier attempt without checkpoints leaves in a run folder, set aside on reuse."""
+
+
+def _set_earlier_attempt_aside(run_dir: Path) -> None:
+    aside = run_dir / f"earlier-attempt-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for name in EARLIER_ATTEMPT_FILES:
+        if (run_dir / name).exists():
+            shutil.move(str(run_dir / name), str(aside / name))
+    logger.warning(
+        "%s held an earlier attempt that stopped before its first checkpoint; its files are in %s, and the run "
+        "starts again from step 0",
+        run_dir,
+        aside,
+    )
+
+
+def _supersede_later_checkpoints(save_dir: str, resumed: Path, step: int) -> None:
+    """After ``--resume-from`` an earlier checkpoint of the run: the later ones (and the
+    damaged one) are moved into ``superseded-<time>/`` of the save folder (kept, and out
+    of ``keep_last``'s count), and ``latest`` names the resumed one."""
+    later = [p for p in list_checkpoints(save_dir) if p.name > resumed.name]
+    if Path(save_dir).resolve() != resumed.parent.resolve() and not later:
+        return
+    if later:
+        aside = Path(save_dir) / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.mkdir()
+        for folder in later:
+            shutil.move(str(folder), str(aside / folder.name))
+        logger.warning(
+            "resumed from step %d: the later checkpoints %s were moved to %s", step, [p.name for p in later], aside
+        )
+    if Path(save_dir).resolve() == resumed.parent.resolve():
+        point_latest_at(save_dir, resumed, step)
 
 
 def _check_resumable(resume_from: tuple[Path, dict], config: Config, num_prompts: int) -> None:

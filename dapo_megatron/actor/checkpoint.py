@@ -40,6 +40,19 @@ def checkpoint_dir(save_dir: str | os.PathLike, step: int) -> Path:
     return Path(save_dir) / f"{_STEP_PREFIX}{step:08d}"
 
 
+def list_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
+    """The published checkpoint folders of ``save_dir`` (``step_*``, not the ``.tmp``
+    folders of unfinished saves), oldest first."""
+    return sorted(p for p in Path(save_dir).glob(f"{_STEP_PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+def point_latest_at(save_dir: str | os.PathLike, checkpoint: Path, step: int) -> None:
+    """Make ``latest`` name ``checkpoint`` (of ``step``), atomically, as a save does."""
+    staged = Path(save_dir) / (LATEST + ".tmp")
+    staged.write_text(json.dumps({"step": step, "path": checkpoint.name}) + "\n")
+    staged.replace(Path(save_dir) / LATEST)
+
+
 def _layout(actor) -> dict:
     return {"tp_size": actor.parallel.tp_size, "pp_size": actor.parallel.pp_size}
 
@@ -223,13 +236,9 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
         staging.rename(final)
-        tmp_latest = Path(save_dir) / (LATEST + ".tmp")
-        tmp_latest.write_text(json.dumps({"step": actor.rollout_step, "path": final.name}) + "\n")
-        tmp_latest.replace(Path(save_dir) / LATEST)
+        point_latest_at(save_dir, final, actor.rollout_step)
         if keep_last > 0:
-            for old in sorted(p for p in Path(save_dir).glob(f"{_STEP_PREFIX}*") if not p.name.endswith(".tmp"))[
-                :-keep_last
-            ]:
+            for old in list_checkpoints(save_dir)[:-keep_last]:
                 shutil.rmtree(old)
     dist.barrier()
     logger.info("saved checkpoint of step %d to %s", actor.rollout_step, final)

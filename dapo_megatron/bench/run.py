@@ -38,6 +38,7 @@ import torch
 
 from dapo_megatron.bench.ceilings import published_peak
 from dapo_megatron.bench.flops import decode_flops, forward_flops, linear_shapes, train_flops
+from dapo_megatron.bench.phases import PHASES
 from dapo_megatron.bench.workloads import reward_mix
 from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape
 from dapo_megatron.config import Config, ConfigError
@@ -45,8 +46,6 @@ from dapo_megatron.runtime.measure import copy_bytes_per_s, peak_memory_bytes, r
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("generate", "logprob", "train", "sync", "reward", "step")
-"""Every phase, in the order they run."""
 _NEEDS_DATA = {"generate", "logprob", "train", "step"}
 STEP_PHASES = ("generate", "reward", "old_log_prob", "train", "sync")
 """The phases a trainer step times (``time/<phase>`` in its metrics)."""
@@ -409,8 +408,7 @@ def _cpu_name() -> str:
 def run_bench(config: Config, options: BenchOptions) -> dict:
     """Start the system of ``config``, measure ``options.phases``; the results as a dict
     (what ``--json`` writes)."""
-    from dapo_megatron.step import start_system
-    from dapo_megatron.trainer import load_initial_weights, load_run_data, reference_weights
+    from dapo_megatron.step import load_initial_weights, load_run_data, reference_weights, start_system
 
     if options.steps < 1 or options.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0 (got {options.steps}, {options.warmup})")

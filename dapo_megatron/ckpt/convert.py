@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from typing import Optional
 import torch
 
 from dapo_megatron.ckpt import dcp_io
+from dapo_megatron.ckpt.hf_checkpoint import ConversionError, HFCheckpoint
 from dapo_megatron.ckpt.qwen2_mapping import (
     VOCAB_KEYS,
     Qwen2Shape,
@@ -38,7 +40,9 @@ from dapo_megatron.ckpt.qwen2_mapping import (
     to_hf,
     to_megatron,
 )
-from dapo_megatron.config import ConfigError, read_hf_model_shape
+from dapo_megatron.config import ConfigError, hf_weights_folder, read_hf_model_shape
+
+logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -52,11 +56,6 @@ TOKENIZER_FILES = (
 )
 VERIFY_AUTO_MAX_BYTES = 2 * 2**30
 """``verify="auto"`` compares logits only for checkpoints up to this size (CPU, fp32)."""
-IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class ConversionError(ConfigError):
-    """The inputs cannot be converted; the message names what is wrong and what to do."""
 
 
 @dataclass
@@ -163,71 +162,6 @@ def _should_verify(verify: bool | str, num_bytes: int) -> bool:
 
 
 # ------------------------------------------------------------------ HF side
-
-
-class HFCheckpoint:
-    """A Hugging Face safetensors checkpoint, read lazily tensor by tensor."""
-
-    def __init__(self, hf_dir: str | os.PathLike) -> None:
-        from safetensors import safe_open
-
-        self.dir = Path(hf_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        elif (self.dir / "model.safetensors").exists():
-            files = ["model.safetensors"]
-            weight_map = None
-        else:
-            raise ConversionError(f"{self.dir} has no model.safetensors or model.safetensors.index.json")
-        self.file_of: dict[str, Path] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, str] = {}
-        for name in files:
-            path = self.dir / name
-            if not path.exists():
-                raise ConversionError(f"{index} lists {name}, which is missing from {self.dir}")
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    tensor_slice = f.get_slice(key)
-                    self.file_of[key] = path
-                    self.shapes[key] = tuple(tensor_slice.get_shape())
-                    self.dtypes[key] = tensor_slice.get_dtype()
-        if weight_map is not None:
-            unlisted = sorted(set(self.file_of) - set(weight_map))
-            if unlisted:
-                raise ConversionError(f"{index} does not list tensors found in the shards: {', '.join(unlisted[:10])}")
-
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, copied out of its memory-mapped file (which is closed again)."""
-        from safetensors import safe_open
-
-        with safe_open(str(self.file_of[name]), framework="pt") as f:
-            return f.get_tensor(name).clone()
-
-    def check_against(self, shape: Qwen2Shape) -> None:
-        """Refuse missing, extra and mis-shaped tensors, naming them."""
-        expected = hf_shapes(shape)
-        found = {k: v for k, v in self.shapes.items() if not k.endswith(IGNORED_HF_SUFFIXES)}
-        missing = sorted(set(expected) - set(found))
-        extra = sorted(set(found) - set(expected))
-        if missing:
-            hint = ""
-            if missing == ["lm_head.weight"]:
-                hint = " (config.json says tie_word_embeddings=false; a tied model has no lm_head)"
-            raise ConversionError(f"{self.dir}: missing tensors: {', '.join(missing[:10])}{hint}")
-        if extra:
-            hint = ""
-            if extra == ["lm_head.weight"]:
-                hint = " (config.json says tie_word_embeddings=true, but the checkpoint has its own lm_head)"
-            raise ConversionError(f"{self.dir}: unexpected tensors: {', '.join(extra[:10])}{hint}")
-        for name, want in expected.items():
-            if tuple(found[name]) != tuple(want):
-                raise ConversionError(
-                    f"{self.dir}: tensor {name} has shape {tuple(found[name])}, but config.json implies {tuple(want)}; "
-                    "the config and the checkpoint disagree"
-                )
 
 
 def _torch_dtype(safetensors_dtype: str) -> torch.dtype:
@@ -464,11 +398,10 @@ def _verify(hf_dir: Path, megatron_ckpt: Path, report: ConversionReport, dtype: 
 
 @contextlib.contextmanager
 def silenced(enabled: bool) -> Iterator[None]:
-    """``--quiet``: Python warnings, library logs and transformers' loading bar off."""
+    """Python warnings, library logs below errors and transformers' loading bar off."""
     if not enabled:
         yield
         return
-    import logging
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -490,8 +423,10 @@ def silenced(enabled: bool) -> Iterator[None]:
 
 
 def run_cli(direction: str, args, log: Callable[[str], None]) -> ConversionReport:
-    """Entry point used by ``dapo-megatron convert`` and ``tools/convert_ckpt``."""
-    with silenced(args.quiet):
+    """Entry point used by ``dapo-megatron convert`` and ``tools/convert_ckpt``. The
+    libraries' warnings (megatron's optional kernels, transformers' loading) are never
+    printed into the progress lines; ``--quiet`` drops the progress lines too."""
+    with silenced(True):
         report = _convert_from_args(direction, args)
     checked = (
         f"verified against transformers (max relative logit error {report.max_logit_error:.2e})"
@@ -521,3 +456,18 @@ def _convert_from_args(direction: str, args) -> ConversionReport:
             progress=not args.quiet,
         )
     return report
+
+
+def export_hf(checkpoint: str | Path, config, out: Path) -> None:
+    """A run's Megatron checkpoint as HF safetensors, verified as ``convert`` verifies, with
+    config.json from ``model.hf_config`` and the run's tokenizer files copied (the final
+    policy of a run; ``eval --ckpt``). ``config`` is the run's :class:`~dapo_megatron.config.Config`."""
+    if config.model.hf_config is None:
+        raise ConfigError("exporting a checkpoint to HF needs model.hf_config (the model's config.json)")
+    with silenced(True):  # the verification's library warnings; errors still raise
+        report = megatron_to_hf(checkpoint, config.model.hf_config, out, overwrite=True, progress=False)
+    tokenizer_dir = config.data.tokenizer or hf_weights_folder(config.model)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(Path(tokenizer_dir), out)
+    checked = f"verified (max relative logit error {report.max_logit_error:.1e})" if report.verified else "not verified"
+    logger.info("%s exported to %s (%s)", checkpoint, out, checked)

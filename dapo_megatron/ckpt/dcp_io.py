@@ -215,7 +215,39 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Optional[Path]:
     marker = path / LATEST
     if not marker.exists():
         return None
-    target = path / json.loads(marker.read_text())["path"]
+    try:
+        target = path / json.loads(marker.read_text())["path"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise FileNotFoundError(f"{marker} is damaged (not the JSON a save writes: {exc})") from None
     if not is_dist_checkpoint(target):
         raise FileNotFoundError(f"{marker} points at {target}, which is not a complete checkpoint")
     return target
+
+
+def checkpoint_problem(path: str | os.PathLike) -> Optional[str]:
+    """Why the dist checkpoint in ``path`` cannot be loaded, or None when every file it
+    needs is there in full: ``metadata.json``, ``common.pt`` and DCP's ``.metadata``
+    readable, and every shard file at least as long as the last byte DCP's index says it
+    holds (a truncated copy or a disk that filled up shows here, in milliseconds, instead
+    of as an ``EOFError`` in the ranks a minute into the load)."""
+    path = Path(path)
+    if not is_dist_checkpoint(path):
+        return f"{path / 'metadata.json'} or {path / '.metadata'} is missing or unreadable"
+    try:
+        torch.load(path / "common.pt", map_location="cpu", weights_only=False)
+    except Exception as exc:  # EOFError, UnpicklingError, RuntimeError: a damaged file
+        return f"{path / 'common.pt'} is damaged ({type(exc).__name__}: {exc})"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:
+        return f"{path / '.metadata'} is damaged ({type(exc).__name__}: {exc})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"{shard} is missing"
+        if shard.stat().st_size < size:
+            return f"{shard} is truncated: {shard.stat().st_size:,} bytes, its index needs {size:,}"
+    return None

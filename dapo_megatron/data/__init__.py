@@ -5,8 +5,21 @@ from dapo_megatron.data.prompts import (
     Prompt,
     PromptDataset,
     PromptLoader,
+    decoded_prompt,
+    describe_prompt,
     load_tokenizer,
     validation_dataset,
+    warn_if_prompts_lose_text,
 )
 
-__all__ = ["DataError", "Prompt", "PromptDataset", "PromptLoader", "load_tokenizer", "validation_dataset"]
+__all__ = [
+    "DataError",
+    "Prompt",
+    "PromptDataset",
+    "PromptLoader",
+    "decoded_prompt",
+    "describe_prompt",
+    "load_tokenizer",
+    "validation_dataset",
+    "warn_if_prompts_lose_text",
+]

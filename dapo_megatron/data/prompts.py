@@ -71,7 +71,10 @@ def load_tokenizer(data: DataConfig, model_folder: Optional[Path]):
         raise ConfigError(f"data.tokenizer={folder!r}: cannot load a tokenizer there: {exc}") from None
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
+def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` for every row of a data file; ``where`` says where the row is as its
+    reader would look for it: ``line N`` (1-based, as editors number them) in JSONL,
+    ``row N`` (0-based, as pandas and pyarrow index them) in parquet."""
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
     suffix = path.suffix.lower()
@@ -79,22 +82,23 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         try:
-            return pq.read_table(path).to_pylist()
+            rows = pq.read_table(path).to_pylist()
         except Exception as exc:  # pyarrow raises several types for a broken file
             raise DataError(f"{path}: not a readable parquet file: {exc}") from None
+        return [(f"row {number}", row) for number, row in enumerate(rows)]
     if suffix in (".jsonl", ".json"):
         rows = []
         with path.open() as handle:
-            for number, line in enumerate(handle):
+            for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}: row {number}: not valid JSON: {exc}") from None
+                    raise DataError(f"{path}: line {number}: not valid JSON: {exc}") from None
                 if not isinstance(row, dict):
-                    raise DataError(f"{path}: row {number}: expected a JSON object, found {type(row).__name__}")
-                rows.append(row)
+                    raise DataError(f"{path}: line {number}: expected a JSON object, found {type(row).__name__}")
+                rows.append((f"line {number}", row))
         return rows
     raise DataError(f"{path}: unsupported data file type {suffix!r}; use .parquet or .jsonl")
 
@@ -147,8 +151,9 @@ class PromptDataset:
             path = Path(file)
             rows = _read_rows(path)
             distinct_in_file: set[tuple[str, str]] = set()
-            for number, row in enumerate(rows):
-                where = f"{path}: row {number}"
+            removed_before = self.stats["duplicates_removed"]
+            for place, row in rows:
+                where = f"{path}: {place}"
                 values = {}
                 for setting, column in (("prompt_key", data.prompt_key), ("answer_key", data.answer_key)):
                     try:
@@ -160,8 +165,11 @@ class PromptDataset:
                         ) from None
                 messages = _messages(values["prompt_key"], f"{where}: column {data.prompt_key!r}")
                 answer = values["answer_key"]
-                if answer is None or isinstance(answer, (dict, list)):
-                    raise DataError(f"{where}: column {data.answer_key!r} must hold an answer, found {answer!r:.80}")
+                if answer is None or isinstance(answer, (dict, list)) or not str(answer).strip():
+                    raise DataError(
+                        f"{where}: column {data.answer_key!r} must hold an answer, found {answer!r:.80} (a prompt "
+                        "without one can never be scored correct)"
+                    )
                 try:
                     source = str(_lookup(row, data.data_source_key))
                 except KeyError:
@@ -181,13 +189,15 @@ class PromptDataset:
                 if not ids:
                     raise DataError(f"{where}: column {data.prompt_key!r} renders to an empty prompt")
                 self.prompts.append(Prompt(len(self.prompts), ids, str(answer), source, text))
-            logger.info(
-                "%s: %d rows, %d distinct prompts%s",
-                path,
-                len(rows),
-                len(distinct_in_file),
-                "" if len(distinct_in_file) == len(rows) else " (set data.deduplicate=true to keep one copy of each)",
-            )
+            repeats = len(rows) - len(distinct_in_file)
+            dropped = self.stats["duplicates_removed"] - removed_before
+            if data.deduplicate:
+                note = f"; data.deduplicate kept {len(rows) - dropped}, dropped {dropped} repeated rows"
+            elif repeats:
+                note = f"; {repeats} rows repeat another (data.deduplicate=true keeps one copy of each)"
+            else:
+                note = ""
+            logger.info("%s: %d rows, %d distinct prompts%s", path, len(rows), len(distinct_in_file), note)
         self.stats["distinct"] = len(seen)
         if self.stats["dropped_too_long"]:
             logger.warning(
@@ -261,3 +271,54 @@ def validation_dataset(files: list[str], tokenizer, data: DataConfig, max_prompt
             len(dataset.prompts),
         )
     return dataset
+
+
+def decoded_prompt(prompt: Prompt, tokenizer) -> str:
+    """What ``prompt``'s tokens decode back to: the text the model actually gets. It
+    differs from ``prompt.text`` when the tokenizer cannot represent some of the rendered
+    characters (a small demo vocabulary drops them silently)."""
+    return tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
+
+
+def describe_prompt(dataset: PromptDataset, index: int, tokenizer) -> str:
+    """Prompt ``index`` of ``dataset`` as the model gets it: where it came from, the
+    rendered text, its token count and ids, and the decoded tokens when they differ."""
+    if not 0 <= index < len(dataset.prompts):
+        raise DataError(f"--show-prompt {index}: the training data holds prompts 0 to {len(dataset.prompts) - 1}")
+    prompt = dataset.prompts[index]
+    decoded = decoded_prompt(prompt, tokenizer)
+    lines = [
+        f"prompt {index} of {len(dataset.prompts)} (data source {prompt.data_source!r}, answer {prompt.ground_truth!r})",
+        "--- rendered (chat template or plain) ---",
+        prompt.text,
+        f"--- {len(prompt.token_ids)} tokens ---",
+        " ".join(str(t) for t in prompt.token_ids),
+    ]
+    if decoded == prompt.text:
+        lines.append("--- the tokens decode back to the rendered text exactly ---")
+    else:
+        lines += [
+            f"--- WARNING: the tokens decode to {len(decoded)} of the text's {len(prompt.text)} characters: the "
+            "tokenizer cannot represent the rest, and the model never sees it ---",
+            decoded,
+        ]
+    return "\n".join(lines)
+
+
+def warn_if_prompts_lose_text(dataset: PromptDataset, tokenizer) -> None:
+    """Log the first prompt as the model gets it; warn when its tokens do not decode back
+    to the rendered text (see :func:`decoded_prompt`)."""
+    if not dataset.prompts:
+        return
+    first = dataset.prompts[0]
+    decoded = decoded_prompt(first, tokenizer)
+    if decoded == first.text:
+        logger.info("the first training prompt, as the model gets it (%d tokens): %r", len(first.token_ids), decoded)
+    else:
+        logger.warning(
+            "the tokenizer cannot represent the rendered prompts: the first one renders to %r but its %d tokens "
+            "decode to %r; the model never sees the rest (`dapo-megatron config CONFIG --show-prompt 0` shows it)",
+            first.text,
+            len(first.token_ids),
+            decoded,
+        )

@@ -402,6 +402,35 @@ PLACEMENT_TIMEOUT_S = 300.0
 """How long the actor's placement may wait for resources before the run fails clearly."""
 
 
+def _refuse_what_cannot_be_placed(config: Config, bundle: dict[str, int]) -> None:
+    """Fail at once, naming what was asked and what the cluster has, when the actor's
+    per-node bundle cannot be placed: a GPU layout on a cluster without GPUs, or a local
+    instance (whose resources are fixed: no node will join) without enough nodes that
+    hold a bundle. A joined cluster may still be growing: there the wait is bounded by
+    :data:`PLACEMENT_TIMEOUT_S`, and a warning says what it waits for."""
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    have = {key: sum(node.get(key, 0) for node in nodes) for key in bundle}
+    if bundle.get("GPU") and not have["GPU"]:
+        raise RuntimeError(
+            f"parallel.device=cuda, but the Ray cluster has no GPUs ({len(nodes)} node(s): "
+            f"{', '.join(f'{have[key]:g} {key}' for key in bundle)}); run on GPU nodes, or set parallel.device=cpu"
+        )
+    fitting = sum(all(node.get(key, 0) >= amount for key, amount in bundle.items()) for node in nodes)
+    wanted = config.parallel.num_nodes
+    if fitting >= wanted:
+        return
+    asked = f"{wanted} node(s) with {bundle} each (parallel.num_nodes x parallel.num_devices_per_node)"
+    found = f"the cluster has {fitting} such node(s) of {len(nodes)} ({', '.join(f'{have[k]:g} {k}' for k in bundle)})"
+    if config.ray.address is None:
+        raise RuntimeError(
+            f"the actor needs {asked}, and {found}; this local Ray instance will not grow (ray.num_cpus sets its "
+            "CPUs): reduce the layout or join a larger cluster with ray.address"
+        )
+    logger.warning(
+        "the actor needs %s, and %s: waiting up to %.0f s for nodes to join", asked, found, PLACEMENT_TIMEOUT_S
+    )
+
+
 class ActorGroup:
     """All ranks of the actor, called as one (see the module docstring)."""
 
@@ -415,6 +444,8 @@ class ActorGroup:
         # megatron's process groups assume (tensor parallelism inside a node).
         per_node = parallel.num_devices_per_node
         bundle = {"CPU": per_node, "GPU": per_node} if on_gpu else {"CPU": per_node}
+        _refuse_what_cannot_be_placed(config, bundle)
+        logger.info("placing the actor's %d rank(s): %d node(s) x %s", self.world_size, parallel.num_nodes, bundle)
         self.placement_group = placement_group(
             [dict(bundle) for _ in range(parallel.num_nodes)],
             strategy="STRICT_SPREAD" if parallel.num_nodes > 1 else "STRICT_PACK",

@@ -113,6 +113,17 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate, correction, level):
             if name in line:
                 assert logged[line["step"]] == pytest.approx(line[name], rel=1e-6), name
 
+    # Histograms every step: the batch's response lengths (their count and sum are the
+    # batch's) and the actor's old log-probs minus the engine's, per loss token.
+    assert sorted(events.Tags()["histograms"]) == ["response/length", "rollout/log_prob_gap"]
+    for step, event in zip(steps, events.Histograms("response/length")):
+        assert event.step == step["step"] and event.histogram_value.num == 4 * 4  # train_batch_size x n
+        assert event.histogram_value.sum == pytest.approx(16 * step["response/length_mean"])
+    gaps = events.Histograms("rollout/log_prob_gap")
+    assert [e.step for e in gaps] == [1, 2] and all(
+        0 < e.histogram_value.num and e.histogram_value.max < 1e-2 for e in gaps
+    )
+
     # Weights moved, and after the last sync the engine serves exactly the actor's weights.
     initial = load_file(str(tiny_model / "model/model.safetensors"))
     assert set(seen["actor"]) == set(seen["engine"]) == set(initial)

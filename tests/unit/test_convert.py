@@ -164,6 +164,36 @@ def test_quiet_prints_the_summary_only(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("wrote ") and "verified against transformers" in lines[0], lines
 
 
+def test_progress_without_quiet_carries_no_library_warnings(tmp_path):
+    """Without ``--quiet`` the output is the progress bars (tqdm's carriage-return
+    updates) and the summary line; nothing the libraries warn about in between."""
+    hf = make_hf(tmp_path / "hf")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron",
+            "convert",
+            "hf-to-megatron",
+            "--hf-dir",
+            str(hf),
+            "--out",
+            str(tmp_path / "mg"),
+            "--verify",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
+    assert done.returncode == 0, done.stderr
+    pieces = [piece.strip() for line in (done.stdout + done.stderr).splitlines() for piece in line.split("\r")]
+    pieces = [piece for piece in pieces if piece]
+    assert pieces[-1].startswith("wrote ") and "verified against transformers" in pieces[-1]
+    others = [piece for piece in pieces[:-1] if not piece.startswith("hf->megatron:")]
+    assert others == [], others
+    assert not any("warn" in piece.lower() for piece in pieces), pieces
+
+
 def test_unsupported_architecture(tmp_path):
     hf = make_hf(tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())

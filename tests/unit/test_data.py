@@ -50,25 +50,53 @@ def test_parquet_and_jsonl_give_the_same_prompts(tmp_path):
     [
         (
             {"data_source": "s", "prompt": [{"role": "user", "content": "x"}], "reward_model": {}},
-            "row 2: column 'reward_model.ground_truth' is missing",
+            "line 3: column 'reward_model.ground_truth' is missing",
         ),
-        ({"data_source": "s", "reward_model": {"ground_truth": "1"}}, "row 2: column 'prompt' is missing"),
+        ({"data_source": "s", "reward_model": {"ground_truth": "1"}}, "line 3: column 'prompt' is missing"),
         (
             {**row(), "prompt": [{"role": "user"}]},
-            "row 2: column 'prompt': every message needs a string 'role' and 'content'",
+            "line 3: column 'prompt': every message needs a string 'role' and 'content'",
         ),
-        ({**row(), "prompt": []}, "row 2: column 'prompt': expected a non-empty list of chat messages"),
+        ({**row(), "prompt": []}, "line 3: column 'prompt': expected a non-empty list of chat messages"),
         (
             {**row(), "reward_model": {"ground_truth": None}},
-            "row 2: column 'reward_model.ground_truth' must hold an answer",
+            "line 3: column 'reward_model.ground_truth' must hold an answer",
         ),
+        (
+            {**row(), "reward_model": {"ground_truth": "  "}},
+            "line 3: column 'reward_model.ground_truth' must hold an answer, found '  ' .*can never be scored",
+        ),
+        ({**row(), "reward_model": {"ground_truth": ""}}, "line 3: column 'reward_model.ground_truth' must hold an"),
     ],
 )
 def test_bad_rows_are_refused_naming_file_row_and_column(tmp_path, bad, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [row(), row(), bad])
     with pytest.raises(DataError, match=message) as info:
         PromptDataset([path], CharTokenizer(), DataConfig(), 100)
-    assert str(info.value).startswith(f"{path}: row 2")
+    # The third line of the file is line 3 (as an editor numbers it), not "row 2".
+    assert str(info.value).startswith(f"{path}: line 3")
+
+
+def test_jsonl_errors_count_lines_with_blank_ones_and_parquet_counts_rows_from_0(tmp_path):
+    path = tmp_path / "gaps.jsonl"
+    path.write_text(json.dumps(row()) + "\n\n" + "{not json\n")
+    with pytest.raises(DataError, match=r"gaps.jsonl: line 3: not valid JSON"):
+        PromptDataset([str(path)], CharTokenizer(), DataConfig(), 100)
+    pq.write_table(pa.Table.from_pylist([row(), row(answer="")]), tmp_path / "p.parquet")
+    with pytest.raises(DataError, match=r"p.parquet: row 1: column 'reward_model.ground_truth' must hold"):
+        PromptDataset([str(tmp_path / "p.parquet")], CharTokenizer(), DataConfig(), 100)
+
+
+def test_the_log_says_what_deduplication_did(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "d.jsonl", [row("1+1="), row("1+1="), row("1+1="), row("2+2=", "4")])
+    with caplog.at_level("INFO", logger="dapo_megatron.data.prompts"):
+        PromptDataset([path], CharTokenizer(), DataConfig(deduplicate=True), 100)
+    assert "4 rows, 2 distinct prompts; data.deduplicate kept 2, dropped 2 repeated rows" in caplog.text
+    assert "set data.deduplicate" not in caplog.text and "data.deduplicate=true" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dapo_megatron.data.prompts"):
+        PromptDataset([path], CharTokenizer(), DataConfig(), 100)
+    assert "4 rows, 2 distinct prompts; 2 rows repeat another (data.deduplicate=true keeps one copy" in caplog.text
 
 
 def test_over_long_prompts_are_dropped_and_counted_and_duplicates_reported(tmp_path):

@@ -160,8 +160,9 @@ def test_plan_refuses_impossible_layouts(overrides, message, capsys):
 
 
 def test_the_cpu_example_validates_and_plans_without_overrides(capsys):
-    """The demo config, before its prepare step has run: CPU ranks and a transformers engine."""
-    assert main(["config", str(DEMO)]) == 0
+    """The demo config, before its prepare step has run: CPU ranks and a transformers engine.
+    (``config`` checks that the files it names exist, so before prepare it says to
+    prepare: ``tests/unit/test_preflight.py``; ``plan`` needs only the architecture.)"""
     assert main(["plan", str(DEMO)]) == 0
     out = capsys.readouterr().out
     assert "transformers engine" in out and "SGLang" not in out and "GPU" not in out

@@ -24,8 +24,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from dapo_megatron.algo.rewards.base import RewardResult, register_reward
 from dapo_megatron.algo.rewards.exact_value import exact_value
-from dapo_megatron.algo.rewards.registry import RewardResult, register_reward
 
 TAIL_CHARS = 300
 """How far from the end the ``Answer:`` line is looked for, as in DAPO's grader."""

@@ -9,7 +9,7 @@ process it can kill.
 
 from __future__ import annotations
 
-from dapo_megatron.algo.rewards.registry import RewardResult, register_reward
+from dapo_megatron.algo.rewards.base import RewardResult, register_reward
 
 
 @register_reward("math_verify", bounded=False)

@@ -14,7 +14,8 @@ import multiprocessing
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
-from dapo_megatron.algo.rewards.registry import RewardResult, RewardScorer
+from dapo_megatron.algo.rewards.base import RewardResult
+from dapo_megatron.algo.rewards.registry import RewardScorer
 
 _WORKER_SCORER: RewardScorer | None = None
 

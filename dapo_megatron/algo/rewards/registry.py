@@ -20,73 +20,32 @@ import logging
 import math
 import multiprocessing
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Optional
+
+from dapo_megatron.algo.rewards.base import REGISTRY, RewardFn, RewardResult
 
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 120.0
 
 
-@dataclass(frozen=True)
-class RewardResult:
-    """The outcome of scoring one response."""
-
-    score: float
-    """Reward: +1 correct, -1 wrong for the built-in functions."""
-    correct: bool
-    """Whether the response's answer matched the ground truth."""
-    prediction: Optional[str]
-    """The answer extracted from the response (normalised), or None if none was found."""
-    timed_out: bool = False
-    """The call exceeded the time bound and was scored as wrong."""
-    error: Optional[str] = None
-    """The reward function raised (or returned something unusable); scored as wrong."""
-
-
-RewardFn = Callable[[str, str], Any]
-
-
-@dataclass(frozen=True)
-class _Registered:
-    fn: RewardFn
-    bounded: bool
-
-
-_REGISTRY: dict[str, _Registered] = {}
-
-
-def register_reward(name: str, *, bounded: bool = False) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering a reward function under ``name``.
-
-    ``bounded=True`` promises that the function's running time is bounded whatever the
-    input (it then runs in-process); otherwise it runs in a killable worker process.
-    """
-
-    def decorate(fn: RewardFn) -> RewardFn:
-        _REGISTRY[name] = _Registered(fn, bounded)
-        return fn
-
-    return decorate
-
-
 def _ensure_builtins() -> None:
-    # Importing the modules registers them.
+    # Importing the modules registers them (they import only :mod:`base`, not this module).
     from dapo_megatron.algo.rewards import dapo_math, math_verify_reward  # noqa: F401
 
 
 def available_rewards() -> list[str]:
     """Names of the registered reward functions."""
     _ensure_builtins()
-    return sorted(_REGISTRY)
+    return sorted(REGISTRY)
 
 
 def resolve_reward(name: str) -> tuple[RewardFn, bool]:
     """``(function, bounded)`` for a registered name or a ``module:function`` path."""
     _ensure_builtins()
-    if name in _REGISTRY:
-        entry = _REGISTRY[name]
+    if name in REGISTRY:
+        entry = REGISTRY[name]
         return entry.fn, entry.bounded
     if ":" in name:
         module_name, _, attr = name.partition(":")
