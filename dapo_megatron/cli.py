@@ -118,7 +118,7 @@ def _resume_hint(config, resumed: bool) -> str:
             f"no checkpoint was written to {save_dir} yet; run the same command without --resume to start again "
             "(the folder is reused, its earlier metrics kept aside)"
         )
-    return f"the last complete checkpoint is {latest}; {'run again with' if resumed else 'add'} --resume to continue"
+    return f"the last complete checkpoint is {latest}; {'run again with' if resumed else 'add'} --resume to continue from it"
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

@@ -225,3 +225,17 @@ def test_eval_writes_beside_the_run_its_weights_come_from(tmp_path):
     loose = tmp_path / "models" / "base"
     loose.mkdir(parents=True)
     assert default_eval_dir(loose).parent == tmp_path / "models" / "eval"
+
+
+def test_the_hint_after_a_failure_fits_how_the_run_was_started(tmp_path):
+    from dapo_megatron.cli import _resume_hint
+
+    config = load_config(TINY, [f"trainer.output_dir={tmp_path / 'run'}"])
+    assert "run the same command without --resume to start again" in _resume_hint(config, resumed=False)
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (step / ".metadata").write_text("")
+    (step.parent / "latest").write_text(json.dumps({"step": 2, "path": step.name}))
+    assert _resume_hint(config, resumed=False).endswith(f"{step}; add --resume to continue from it")
+    assert _resume_hint(config, resumed=True).endswith(f"{step}; run again with --resume to continue from it")
