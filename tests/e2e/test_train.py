@@ -115,11 +115,14 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate, correction, level):
 
     # Histograms every step: the batch's response lengths (their count and sum are the
     # batch's) and the actor's old log-probs minus the engine's, per loss token.
-    assert sorted(events.Tags()["histograms"]) == ["response/length", "rollout/log_prob_gap"]
-    for step, event in zip(steps, events.Histograms("response/length")):
+    histograms = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"histograms": 0})  # 0: keep all
+    histograms.Reload()
+    assert sorted(histograms.Tags()["histograms"]) == ["response/length", "rollout/log_prob_gap"]
+    assert [e.step for e in histograms.Histograms("response/length")] == [1, 2]
+    for step, event in zip(steps, histograms.Histograms("response/length")):
         assert event.step == step["step"] and event.histogram_value.num == 4 * 4  # train_batch_size x n
         assert event.histogram_value.sum == pytest.approx(16 * step["response/length_mean"])
-    gaps = events.Histograms("rollout/log_prob_gap")
+    gaps = histograms.Histograms("rollout/log_prob_gap")
     assert [e.step for e in gaps] == [1, 2] and all(
         0 < e.histogram_value.num and e.histogram_value.max < 1e-2 for e in gaps
     )
