@@ -68,6 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "runs/async_seeds")
     parser.add_argument("--only", nargs="*", help="settings to run (default: all)")
+    parser.add_argument("--retry-failed", action="store_true", help="run again the runs that failed before")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     summary_file = args.out / "summary.json"
@@ -77,8 +78,8 @@ def main() -> None:
             continue
         for seed, seed_overrides in SEEDS.items():
             key = f"{name}/{seed}"
-            if key in summary and summary[key]["returncode"] == 0:
-                continue  # done in an earlier invocation
+            if key in summary and (summary[key]["returncode"] == 0 or not args.retry_failed):
+                continue  # done in an earlier invocation (a failed run is deterministic too)
             result = run_one(args.out / name / seed, {**setting, **seed_overrides})
             summary[key] = result
             summary_file.write_text(json.dumps(summary, indent=1))
@@ -98,7 +99,10 @@ def table(summary: dict) -> str:
         if not runs:
             continue
         finals = [r["val"].get("150", r["val"].get(150)) for r in runs]
-        shown = [f"{100 * f:.0f}%" if f is not None else "failed" for f in finals]
+        shown = [
+            f"{100 * f:.0f}%" if f is not None else f"stopped after step {r['steps']} (dynamic sampling or error)"
+            for f, r in zip(finals, runs)
+        ]
         good = [f for f in finals if f is not None]
         span = f"{100 * min(good):.0f}-{100 * max(good):.0f}%" if good else "-"
         kl = max(runs, key=lambda r: r["approx_kl_max"])
