@@ -436,9 +436,7 @@ def _supersede_later_checkpoints(save_dir: str, resumed: Path, step: int) -> Non
     """After ``--resume-from`` an earlier checkpoint of the run: the later ones (and the
     damaged one) are moved into ``superseded-<time>/`` of the save folder (kept, and out
     of ``keep_last``'s count), and ``latest`` names the resumed one."""
-    later = [p for p in list_checkpoints(save_dir) if p.name > resumed.name]
-    if Path(save_dir).resolve() != resumed.parent.resolve() and not later:
-        return
+    later = [p for p in list_checkpoints(save_dir) if p.name > checkpoint_dir(save_dir, step).name]
     if later:
         aside = Path(save_dir) / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
         aside.mkdir()
