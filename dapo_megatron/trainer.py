@@ -29,7 +29,7 @@ from typing import Optional
 
 from dapo_megatron.actor.checkpoint import checkpoint_dir, list_checkpoints, point_latest_at
 from dapo_megatron.ckpt.convert import export_hf
-from dapo_megatron.ckpt.dcp_io import checkpoint_problem
+from dapo_megatron.ckpt.dcp_io import LATEST, checkpoint_problem, latest_checkpoint
 from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir
 from dapo_megatron.data import PromptLoader
 from dapo_megatron.evaluation import evaluate_policy
@@ -366,8 +366,6 @@ def _resume_point(config: Config, save_dir: str, explicit: Optional[str | Path] 
     the latest complete checkpoint of the run's checkpoint folder, else of
     ``checkpoint.load_dir``. A damaged one is refused naming the bad file and offering
     the previous complete checkpoint."""
-    from dapo_megatron.ckpt.dcp_io import latest_checkpoint
-
     if explicit is not None:
         if not Path(explicit).is_dir():
             raise ConfigError(f"--resume-from {explicit}: no such checkpoint folder")
@@ -395,8 +393,6 @@ def _resume_point(config: Config, save_dir: str, explicit: Optional[str | Path] 
 
 
 def _has_checkpoint(save_dir: str) -> bool:
-    from dapo_megatron.ckpt.dcp_io import LATEST
-
     return bool(list_checkpoints(save_dir)) or (Path(save_dir) / LATEST).exists()
 
 
