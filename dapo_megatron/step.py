@@ -60,10 +60,13 @@ PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 """What SLURM sends before it preempts or ends a job (``--signal`` chooses USR1 and when)."""
 
 
-class StartupInterrupted(Exception):
+class StartupInterrupted(BaseException):
     """A preemption signal arrived while the system was starting: there is no step to
     finish and nothing to save, so the start is abandoned (everything it started is
-    stopped, the Ray token removed) at once."""
+    stopped, the Ray token removed) at once. Like ``KeyboardInterrupt`` it is not an
+    ``Exception``: the handler raises it wherever the main thread happens to be, and code
+    that catches ``Exception`` there (``logging`` does, around every write of a record)
+    must not swallow it."""
 
     def __init__(self, signal_name: str, signum: int) -> None:
         super().__init__(f"received {signal_name} while the run was starting; everything it started was stopped")
@@ -81,17 +84,30 @@ class StopRequest:
     def __init__(self) -> None:
         self.signal_name: Optional[str] = None
         self.starting = True
+        self.interrupted: Optional[StartupInterrupted] = None
 
     def running(self) -> None:
-        """The system has started: from now on a signal stops the run after its step."""
+        """The system has started: from now on a signal stops the run after its step.
+        Raises the :class:`StartupInterrupted` of a signal that arrived while starting (see
+        :meth:`check_starting`)."""
+        self.check_starting()
         self.starting = False
+
+    def check_starting(self) -> None:
+        """Raises the :class:`StartupInterrupted` of a signal that arrived while starting,
+        in case something between the handler and here caught it (a library's ``except
+        BaseException``): the start stops at the next stage instead of running on."""
+        if self.interrupted is not None:
+            raise self.interrupted
 
     def __call__(self, signum, frame) -> None:
         import signal
 
         name = signal.Signals(signum).name
         if self.starting:
-            raise StartupInterrupted(name, signum)
+            if self.interrupted is None:
+                self.interrupted = StartupInterrupted(name, signum)
+            raise self.interrupted
         if self.signal_name is None:
             self.signal_name = name
             logger.warning("received %s: finishing this step, then saving a checkpoint and stopping", name)

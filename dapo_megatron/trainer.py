@@ -176,6 +176,7 @@ def train(
             load_initial_weights(actor, config)
         if reference is not None:
             actor.load_reference(*reference)
+        stop.check_starting()
         # The run has started: now its files change (a run refused above leaves none).
         if earlier_attempt:
             _set_earlier_attempt_aside(run_dir)
