@@ -174,10 +174,17 @@ def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
         error_score=config.algorithm.reward_error_score,
     )
     stack.callback(rewards.close)
-    actor = ActorGroup(config)
+    asked: list[RolloutWorkers] = []
+
+    def ask_for_engines() -> None:  # their processes start while the actor's ranks set up
+        asked.append(RolloutWorkers(config, start=False))
+        stack.callback(asked[0].shutdown)
+
+    actor = ActorGroup(config, while_ranks_start=ask_for_engines)
     stack.callback(actor.shutdown)
-    engines = RolloutWorkers(config)
-    stack.callback(engines.shutdown)
+    engines = asked[0]
+    stop.check_starting()
+    engines.start()
     return System(config, actor, engines, rewards, stop)
 
 

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -434,7 +435,10 @@ def _refuse_what_cannot_be_placed(config: Config, bundle: dict[str, int]) -> Non
 class ActorGroup:
     """All ranks of the actor, called as one (see the module docstring)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, while_ranks_start: Optional[Callable[[], None]] = None) -> None:
+        """Place the ranks, start them and set up megatron in each. ``while_ranks_start``
+        is called once the ranks' processes have been asked for, before waiting for them
+        (the engines' processes then start alongside instead of after them)."""
         self.config = config
         parallel = config.parallel
         self.world_size = parallel.world_size
@@ -470,6 +474,8 @@ class ActorGroup:
             ).remote(config)
             for rank in range(self.world_size)
         ]
+        if while_ranks_start is not None:
+            while_ranks_start()
         self._rank_places_cache: Optional[list[tuple[str, list[int]]]] = None
         self._engine_places: dict[tuple, list[tuple[str, list[int]]]] = {}
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())

@@ -228,9 +228,12 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
 class RolloutWorkers:
     """All rollout engines, driven as one (see the module docstring)."""
 
-    def __init__(self, config: Config, weights_dir: Optional[str] = None) -> None:
+    def __init__(self, config: Config, weights_dir: Optional[str] = None, start: bool = True) -> None:
         """``weights_dir``: an HF folder every engine serves from the start (evaluation);
-        without it the engines wait for the actor's weights."""
+        without it the engines wait for the actor's weights. With ``start=False`` only the
+        engines' processes are asked for (they start and import in the background, e.g.
+        while the actor's ranks set up); :meth:`start` then builds the engines."""
+        self.config = config
         rollout = config.rollout
         on_gpu = engine_kind(config) == "sglang"
         # CPU engines share the machine's cores: oversubscribed OpenMP threads spin and
@@ -250,13 +253,22 @@ class RolloutWorkers:
             for index in range(rollout.num_engines)
         ]
         self.names = [f"rollout engine {index}" for index in range(len(self.engines))]
-        bases: list[Optional[int]] = [None] * len(self.engines)
-        if on_gpu and rollout.colocate:
+        # Engines whose GPUs do not depend on where Ray put them are built at once.
+        self._building = None if on_gpu and rollout.colocate else [engine.start.remote(None) for engine in self.engines]
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Build every engine in its process (on a GPU: on the GPUs it is given) and wait
+        until each reports healthy."""
+        rollout = self.config.rollout
+        on_gpu = engine_kind(self.config) == "sglang"
+        building = self._building
+        if building is None:  # colocated on GPUs: each takes the next free GPUs of its node
             nodes = call_all([engine.node_id.remote() for engine in self.engines], "a rollout engine", self.names)
-            bases = list(engine_gpu_bases(nodes, rollout.engine_tp_size, config.parallel.num_devices_per_node))
-        call_all(
-            [engine.start.remote(base) for engine, base in zip(self.engines, bases)], "a rollout engine", self.names
-        )
+            bases = engine_gpu_bases(nodes, rollout.engine_tp_size, self.config.parallel.num_devices_per_node)
+            building = [engine.start.remote(base) for engine, base in zip(self.engines, bases)]
+        call_all(building, "a rollout engine", self.names)
         health = call_all([engine.health.remote() for engine in self.engines], "a rollout engine", self.names)
         self.names = [f"rollout engine {h['index']} (pid {h['pid']})" for h in health]
         self._update_ranks = rollout.engine_tp_size if on_gpu else 1
