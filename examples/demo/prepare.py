@@ -9,9 +9,12 @@ form but is often wrong. The demo makes one in seconds on a CPU:
 - **Tokenizer**: a 16-token Hugging Face tokenizer (digits, ``+``, ``=``, ``Answer: ``,
   newline, EOS, PAD), saved with ``transformers`` so the trainer loads it like any other.
 - **Base model**: a tiny Qwen2 (3 layers, hidden 128, 4 heads, 2 KV heads, tied
-  embeddings; its architecture is ``model_config.json`` next to this file), supervised for a few hundred steps on a deliberately imperfect rule,
-  ``(a+b) mod 10``: it answers in the right form and is right only when there is no
-  carry. DAPO then has to discover the carry from the reward alone.
+  embeddings; its architecture is ``model_config.json`` next to this file), supervised the
+  way a pretrained model comes to RL: it has the answer format and a rule that is mostly
+  right, ``(a+b) mod 10`` (right exactly when there is no carry, 55 of the 100 problems),
+  and it has seen the carried sum now and then (in ``carry_share`` of the carry examples),
+  so that sampling sometimes writes it. Greedy, it follows its rule; DAPO has to find, from
+  the reward alone, which of its own samples are right and make them its answer.
 
 Everything is seeded; running it twice gives the same files. Usage:
 ``python examples/demo/prepare.py OUT_DIR`` (``make demo`` uses ``runs/demo``).
@@ -33,11 +36,18 @@ MODEL_CONFIG = Path(__file__).with_name("model_config.json")
 """The base model's architecture, committed so that demo.yaml names it before this runs."""
 RECIPE = {
     "model": json.loads(MODEL_CONFIG.read_text()),
-    "sft_steps": 600,
+    "sft_steps": 1000,
     "sft_batch": 64,
-    "sft_lr": 1e-3,
+    "sft_lr": 2e-3,
+    "sft_warmup_steps": 50,
+    "carry_share": 0.15,
     "seed": 0,
 }
+"""The supervised warm-up: AdamW at ``sft_lr`` with a linear warm-up over
+``sft_warmup_steps`` and a linear decay to 0; a carry example is answered with its true
+sum with probability ``carry_share``, with ``(a+b) mod 10`` otherwise."""
+CARRY_SAMPLES = 32
+"""Samples per carry problem (temperature 1) for the base model's report."""
 
 
 def build_tokenizer(out: Path):
@@ -69,8 +79,8 @@ def write_task(data_dir: Path) -> None:
         (data_dir / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def warm_up(out: Path, tokenizer) -> float:
-    """Supervised warm-up on ``(a+b) mod 10``; saves the model; returns its greedy accuracy on the real task."""
+def warm_up(out: Path, tokenizer):
+    """The supervised warm-up; saves the model to ``out`` and returns it."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(RECIPE["seed"])
@@ -83,38 +93,75 @@ def warm_up(out: Path, tokenizer) -> float:
     ):
         raise SystemExit(f"{MODEL_CONFIG} disagrees with the demo tokenizer (vocabulary, EOS or PAD id)")
     model = Qwen2ForCausalLM(config)
+    steps, warmup = RECIPE["sft_steps"], RECIPE["sft_warmup_steps"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE["sft_lr"])
-    answer = tokenizer.convert_tokens_to_ids("Answer: ")
-    eos = tokenizer.eos_token_id
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) * (1 - i / steps))
 
-    def example(a: int, b: int) -> tuple[list[int], int]:
+    def example(a: int, b: int) -> tuple[list[int], list[int]]:
+        carried = a + b >= 10 and rng.random() < RECIPE["carry_share"]
+        answer = a + b if carried else (a + b) % 10
         prompt = tokenizer(f"{a}+{b}=", add_special_tokens=False)["input_ids"]
-        return prompt + [answer, tokenizer.convert_tokens_to_ids(str((a + b) % 10)), eos], len(prompt)
+        response = tokenizer(f"Answer: {answer}", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return prompt, response
 
     model.train()
-    for _ in range(RECIPE["sft_steps"]):
-        pairs = [(rng.randrange(10), rng.randrange(10)) for _ in range(RECIPE["sft_batch"])]
-        ids, prompt_len = zip(*(example(a, b) for a, b in pairs))
-        input_ids = torch.tensor(ids)  # [batch, 7]: every example has the same length
-        labels = input_ids.clone()
-        labels[:, : prompt_len[0]] = -100  # learn the response only
-        loss = model(input_ids=input_ids, labels=labels).loss
+    for _ in range(steps):
+        batch = [example(rng.randrange(10), rng.randrange(10)) for _ in range(RECIPE["sft_batch"])]
+        width = max(len(p) + len(r) for p, r in batch)
+        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)  # learn the response only
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (prompt, response) in enumerate(batch):
+            end = len(prompt) + len(response)
+            input_ids[row, :end] = torch.tensor(prompt + response)
+            labels[row, len(prompt) : end] = torch.tensor(response)
+            attention_mask[row, :end] = 1
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        schedule.step()
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
-    correct = 0
+    return model
+
+
+def describe(model, tokenizer) -> dict:
+    """What the base model does on the task: its greedy accuracy, the share of problems
+    where it follows ``(a+b) mod 10`` greedily, and how often sampling (temperature 1)
+    writes the true sum of a carry problem (mean, lowest and highest over the 45)."""
+    eos = tokenizer.eos_token_id
+    greedy = follows_rule = 0
+    carry_rates = []
+    generator = torch.Generator().manual_seed(RECIPE["seed"])
     with torch.no_grad():
         for a in range(10):
             for b in range(10):
-                prompt = tokenizer(f"{a}+{b}=", add_special_tokens=False)["input_ids"]
-                out_ids = model.generate(
-                    torch.tensor([prompt]), max_new_tokens=5, do_sample=False, eos_token_id=eos, pad_token_id=0
-                )[0, len(prompt) :]
-                text = tokenizer.decode(out_ids, skip_special_tokens=True)
-                correct += text.strip() == f"Answer: {a + b}"
-    return correct / 100
+                prompt = torch.tensor([tokenizer(f"{a}+{b}=", add_special_tokens=False)["input_ids"]])
+                out_ids = model.generate(prompt, max_new_tokens=5, do_sample=False, eos_token_id=eos, pad_token_id=0)
+                text = tokenizer.decode(out_ids[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+                greedy += text == f"Answer: {a + b}"
+                follows_rule += text == f"Answer: {(a + b) % 10}"
+                if a + b >= 10:
+                    carry_rates.append(_sampled_accuracy(model, tokenizer, prompt, a + b, generator))
+    return {
+        "greedy_accuracy": greedy / 100,
+        "follows_rule": follows_rule / 100,
+        "carry_sampled_accuracy": sum(carry_rates) / len(carry_rates),
+        "carry_sampled_min": min(carry_rates),
+        "carry_sampled_max": max(carry_rates),
+    }
+
+
+def _sampled_accuracy(model, tokenizer, prompt, total: int, generator) -> float:
+    """The share of :data:`CARRY_SAMPLES` temperature-1 samples that answer ``total``."""
+    rows = prompt.repeat(CARRY_SAMPLES, 1)
+    for _ in range(4):  # "Answer: ", two digits, EOS
+        logits = model(input_ids=rows).logits[:, -1].float()
+        token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        rows = torch.cat([rows, token], dim=1)
+    texts = tokenizer.batch_decode(rows[:, prompt.shape[1] :])
+    return sum(text.split("<eos>")[0] == f"Answer: {total}" and "<eos>" in text for text in texts) / CARRY_SAMPLES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,11 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     base.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(base)
     write_task(data)
-    accuracy = warm_up(base, tokenizer)
+    report = describe(warm_up(base, tokenizer), tokenizer)
     stamp.write_text(json.dumps(RECIPE))
+    (base / "demo_base_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(
-        f"demo: base model written to {base} after {RECIPE['sft_steps']} supervised steps on (a+b) mod 10 "
-        f"({time.perf_counter() - start:.0f} s); its greedy accuracy on a+b: {accuracy:.0%}"
+        f"demo: base model written to {base} after {RECIPE['sft_steps']} supervised steps "
+        f"({time.perf_counter() - start:.0f} s): greedy, it follows (a+b) mod 10 on {report['follows_rule']:.0%} "
+        f"of the problems and answers {report['greedy_accuracy']:.0%} right; sampled, it writes the carried sum "
+        f"{report['carry_sampled_accuracy']:.0%} of the time (per carry problem: "
+        f"{report['carry_sampled_min']:.0%}-{report['carry_sampled_max']:.0%})"
     )
     return 0
 
