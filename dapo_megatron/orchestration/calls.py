@@ -4,13 +4,15 @@ A failure in any member surfaces as one error that names which member failed and
 own message (not Ray's wrapper), as soon as it happens: results are awaited in the
 order they finish, so a member that died (its process killed) is reported within
 seconds even while the others wait for it inside a collective, instead of after the
-collective's timeout. Stopping never lets one dead or stuck member keep the others
-running.
+collective's timeout. A member Ray has not even started (no node has what it asks
+for free) is named as "not started" after a bounded wait, instead of being waited for
+forever. Stopping never lets one dead or stuck member keep the others running.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional
 
 import ray
@@ -29,17 +31,35 @@ class MemberFailed(RuntimeError):
     """A member of a group raised or died; the message names it."""
 
 
-def call_all(refs: list, what: str, names: Optional[list[str]] = None) -> list:
+def call_all(
+    refs: list,
+    what: str,
+    names: Optional[list[str]] = None,
+    members: Optional[list] = None,
+    asked: str = "",
+    schedule_timeout_s: Optional[float] = None,
+) -> list:
     """``ray.get(refs)``, failing on the first member that raises or dies.
 
     The error is a :class:`MemberFailed` naming the member (``names[i]``, else ``what``)
-    and its own exception, or how its process died.
+    and its own exception, or how its process died. With ``members`` (the actor of each
+    ref), a member still waiting for Ray to place it after ``schedule_timeout_s``
+    (default :data:`SCHEDULE_TIMEOUT_S`) fails the call as "not started", with
+    ``asked`` (what it asks for) and what the cluster has free.
     """
     position = {ref: index for index, ref in enumerate(refs)}
     results: list = [None] * len(refs)
     pending = list(refs)
+    limit = SCHEDULE_TIMEOUT_S if schedule_timeout_s is None else schedule_timeout_s
+    deadline = time.monotonic() + limit if members is not None else None
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+        if not done:
+            waiting = [(names[position[ref]] if names else what, members[position[ref]]) for ref in pending]
+            _refuse_unscheduled(waiting, len(refs), what, asked, limit)
+            deadline = None  # every member has started: wait for their work as before
+            continue
         for ref in done:
             results[position[ref]], failure = _outcome(ref, names[position[ref]] if names else what)
             if failure is None:
@@ -54,6 +74,36 @@ def call_all(refs: list, what: str, names: Optional[list[str]] = None) -> list:
                         raise MemberFailed(f"{died}; then {failure}") from died.__cause__
             raise failure
     return results
+
+
+SCHEDULE_TIMEOUT_S = 120.0
+"""How long a group's start waits for Ray to place each member before naming those it
+has not (a member that was placed may take longer: its own work is not bounded here)."""
+
+_NOT_STARTED = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
+
+
+def _refuse_unscheduled(waiting: list[tuple[str, Any]], total: int, what: str, asked: str, waited_s: float) -> None:
+    """Raise :class:`MemberFailed` naming the members of ``waiting`` (name, actor) that
+    Ray has not started: no node has their resources free, or (rarely, after minutes)
+    their worker process has still not come up."""
+    from ray._private import state
+
+    unplaced = []
+    for name, actor in waiting:
+        entry = state.actors(actor_id=actor._actor_id.hex())
+        if entry and entry.get("State") in _NOT_STARTED:
+            unplaced.append(name)
+    if not unplaced:
+        return
+    free, total_resources = ray.available_resources(), ray.cluster_resources()
+    have = ", ".join(f"{free.get(k, 0.0):g} {k} free of {total_resources.get(k, 0.0):g}" for k in ("CPU", "GPU"))
+    raise MemberFailed(
+        f"{len(unplaced)} of {total} {what}(s) not started after {waited_s:.0f} s ({', '.join(unplaced[:4])}"
+        f"{', ...' if len(unplaced) > 4 else ''}): Ray has not placed them"
+        f"{f' (each asks for {asked})' if asked else ''}; the cluster has {have} on "
+        f"{len([n for n in ray.nodes() if n['Alive']])} node(s)"
+    )
 
 
 DEATH_GRACE_S = 5.0

@@ -253,6 +253,7 @@ class RolloutWorkers:
             for index in range(rollout.num_engines)
         ]
         self.names = [f"rollout engine {index}" for index in range(len(self.engines))]
+        self._asked = ", ".join(f"{key} {value}" for key, value in options.items() if key.startswith("num_"))
         # Engines whose GPUs do not depend on where Ray put them are built at once.
         self._building = None if on_gpu and rollout.colocate else [engine.start.remote(None) for engine in self.engines]
         if start:
@@ -264,11 +265,14 @@ class RolloutWorkers:
         rollout = self.config.rollout
         on_gpu = engine_kind(self.config) == "sglang"
         building = self._building
+        placed = {"members": self.engines, "asked": self._asked}  # a start waits for placement, boundedly
         if building is None:  # colocated on GPUs: each takes the next free GPUs of its node
-            nodes = call_all([engine.node_id.remote() for engine in self.engines], "a rollout engine", self.names)
+            nodes = call_all(
+                [engine.node_id.remote() for engine in self.engines], "rollout engine", self.names, **placed
+            )
             bases = engine_gpu_bases(nodes, rollout.engine_tp_size, self.config.parallel.num_devices_per_node)
             building = [engine.start.remote(base) for engine, base in zip(self.engines, bases)]
-        call_all(building, "a rollout engine", self.names)
+        call_all(building, "rollout engine", self.names, **placed)
         health = call_all([engine.health.remote() for engine in self.engines], "a rollout engine", self.names)
         self.names = [f"rollout engine {h['index']} (pid {h['pid']})" for h in health]
         self._update_ranks = rollout.engine_tp_size if on_gpu else 1

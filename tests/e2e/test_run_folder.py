@@ -21,6 +21,7 @@ import yaml
 
 from dapo_megatron.cli import main
 from dapo_megatron.config import ConfigError, config_from_dict
+from dapo_megatron.orchestration import calls
 from dapo_megatron.orchestration.cluster import TOKEN_FILE
 from dapo_megatron.trainer import TRAINER_STATE, train
 from tests.e2e.conftest import REPO, run_config
@@ -132,6 +133,25 @@ def test_a_gpu_layout_without_gpus_fails_at_once_and_leaves_no_token(tiny_model,
         train(config_from_dict(raw))
     assert time.monotonic() - start < 60
     assert not _tokens(run) and not (run / "config.yaml").exists()
+
+
+@pytest.mark.timeout(300)
+def test_engines_that_cannot_be_placed_fail_within_the_bound(tiny_model, tmp_path, monkeypatch):
+    """The actor's two ranks take both CPUs of a 2-CPU instance, so the engine (1 CPU)
+    can never start: the run fails naming it instead of waiting forever."""
+    monkeypatch.setattr(calls, "SCHEDULE_TIMEOUT_S", 10.0)
+    raw = run_config(tiny_model, tmp_path / "run", **QUIET)
+    raw["ray"] = {"num_cpus": 2}
+    start = time.monotonic()
+    with pytest.raises(calls.MemberFailed) as caught:
+        train(config_from_dict(raw))
+    assert time.monotonic() - start < 120
+    message = str(caught.value)
+    assert message.startswith("1 of 1 rollout engine(s) not started after 10 s (rollout engine 0)"), message
+    assert "(each asks for num_cpus 1, num_gpus 0); the cluster has 0 CPU free of 2, 0 GPU free of 0" in message, (
+        message
+    )
+    assert not _tokens(tmp_path / "run")
 
 
 def test_more_nodes_than_a_local_instance_has_fail_at_once(tiny_model, tmp_path):
