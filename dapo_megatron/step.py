@@ -176,8 +176,8 @@ def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
     stack.callback(rewards.close)
     asked: list[RolloutWorkers] = []
 
-    def ask_for_engines() -> None:  # their processes start while the actor's ranks set up
-        asked.append(RolloutWorkers(config, start=False))
+    def ask_for_engines(group: ActorGroup) -> None:  # their processes start while the actor's ranks set up
+        asked.append(RolloutWorkers(config, start=False, placement_group=group.placement_group))
         stack.callback(asked[0].shutdown)
 
     actor = ActorGroup(config, while_ranks_start=ask_for_engines)

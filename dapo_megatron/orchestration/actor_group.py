@@ -435,10 +435,11 @@ def _refuse_what_cannot_be_placed(config: Config, bundle: dict[str, int]) -> Non
 class ActorGroup:
     """All ranks of the actor, called as one (see the module docstring)."""
 
-    def __init__(self, config: Config, while_ranks_start: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, config: Config, while_ranks_start: Optional[Callable[[ActorGroup], None]] = None) -> None:
         """Place the ranks, start them and set up megatron in each. ``while_ranks_start``
-        is called once the ranks' processes have been asked for, before waiting for them
-        (the engines' processes then start alongside instead of after them)."""
+        is called with the group once the ranks' processes have been asked for, before
+        waiting for them (the engines' processes then start alongside instead of after
+        them, colocated GPU engines inside the group's :attr:`placement_group`)."""
         self.config = config
         parallel = config.parallel
         self.world_size = parallel.world_size
@@ -475,7 +476,7 @@ class ActorGroup:
             for rank in range(self.world_size)
         ]
         if while_ranks_start is not None:
-            while_ranks_start()
+            while_ranks_start(self)
         self._rank_places_cache: Optional[list[tuple[str, list[int]]]] = None
         self._engine_places: dict[tuple, list[tuple[str, list[int]]]] = {}
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())

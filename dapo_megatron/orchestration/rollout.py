@@ -184,6 +184,69 @@ def engine_gpu_bases(engine_nodes: list[str], tp_size: int, gpus_per_node: int) 
     return bases
 
 
+NOSET_CUDA_VISIBLE_DEVICES = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+"""A GPU engine's process sees all of its node's GPUs and is told which are its own."""
+
+
+def colocated_engine_slots(num_engines: int, tp_size: int, num_nodes: int, gpus_per_node: int) -> list[tuple[int, int]]:
+    """Colocated GPU engines: each engine's node (the bundle of the actor's placement
+    group, one per node) and first GPU. Engines spread evenly over the nodes, in index
+    order; a node's engines take consecutive ``tp_size`` GPUs from 0. ValueError when
+    they cannot."""
+    if num_engines % num_nodes:
+        raise ValueError(
+            f"rollout.num_engines={num_engines} colocated engines do not spread evenly over "
+            f"parallel.num_nodes={num_nodes} nodes: use a multiple of {num_nodes}"
+        )
+    per_node = num_engines // num_nodes
+    if per_node * tp_size > gpus_per_node:
+        raise ValueError(
+            f"{per_node} colocated engines of engine_tp_size={tp_size} per node need {per_node * tp_size} GPUs, "
+            f"a node has {gpus_per_node} (parallel.num_devices_per_node): lower rollout.num_engines or engine_tp_size"
+        )
+    return [(index // per_node, (index % per_node) * tp_size) for index in range(num_engines)]
+
+
+def engine_placements(config: Config, placement_group=None) -> list[tuple[dict, Optional[int]]]:
+    """Each engine's Ray options and first GPU (None: decided at start, or none).
+
+    Colocated GPU engines with the actor's ``placement_group`` live inside it: Ray grants
+    a placement group's GPUs only to tasks scheduled into it, and the actor's ranks
+    reserve every GPU of their nodes, so an engine asking for a GPU share outside the
+    group would never start. They take no CPU or GPU of the bundle (the ranks hold them)
+    and are given their GPUs explicitly (:func:`colocated_engine_slots`). Separate GPU
+    engines reserve ``engine_tp_size`` GPUs of their own; CPU engines a CPU."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    rollout = config.rollout
+    if engine_kind(config) != "sglang":
+        return [({"num_cpus": 1, "num_gpus": 0}, None) for _ in range(rollout.num_engines)]
+    if not rollout.colocate:
+        options = {"num_cpus": 1, "num_gpus": rollout.engine_tp_size, "runtime_env": NOSET_CUDA_VISIBLE_DEVICES}
+        return [(dict(options), None) for _ in range(rollout.num_engines)]
+    if placement_group is None:  # no actor reserves the GPUs (evaluation): a share of one
+        options = {"num_cpus": 1, "num_gpus": 0.2, "runtime_env": NOSET_CUDA_VISIBLE_DEVICES}
+        return [(dict(options), None) for _ in range(rollout.num_engines)]
+    parallel = config.parallel
+    slots = colocated_engine_slots(
+        rollout.num_engines, rollout.engine_tp_size, parallel.num_nodes, parallel.num_devices_per_node
+    )
+    return [
+        (
+            {
+                "num_cpus": 0,
+                "num_gpus": 0,
+                "runtime_env": NOSET_CUDA_VISIBLE_DEVICES,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=node
+                ),
+            },
+            base,
+        )
+        for node, base in slots
+    ]
+
+
 def reserved_gpu_base(gpu_ids: list[int], tp_size: int) -> int:
     """The first of the consecutive GPUs Ray reserved for a separate engine."""
     ids = sorted(gpu_ids)
@@ -228,11 +291,15 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
 class RolloutWorkers:
     """All rollout engines, driven as one (see the module docstring)."""
 
-    def __init__(self, config: Config, weights_dir: Optional[str] = None, start: bool = True) -> None:
+    def __init__(
+        self, config: Config, weights_dir: Optional[str] = None, start: bool = True, placement_group=None
+    ) -> None:
         """``weights_dir``: an HF folder every engine serves from the start (evaluation);
         without it the engines wait for the actor's weights. With ``start=False`` only the
         engines' processes are asked for (they start and import in the background, e.g.
-        while the actor's ranks set up); :meth:`start` then builds the engines."""
+        while the actor's ranks set up); :meth:`start` then builds the engines.
+        ``placement_group``: the actor's, which colocated GPU engines live in (see
+        :func:`engine_placements`)."""
         self.config = config
         rollout = config.rollout
         on_gpu = engine_kind(config) == "sglang"
@@ -243,19 +310,19 @@ class RolloutWorkers:
         engine_cores = separate[1] if separate else [None] * rollout.num_engines
         if separate and not config.ray.engine_num_threads:
             threads = len(engine_cores[0])
-        options = {"num_cpus": 1, "num_gpus": (0.2 if rollout.colocate else rollout.engine_tp_size) if on_gpu else 0}
-        if on_gpu:  # the worker sees all of its node's GPUs and is told which are its own
-            options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+        placements = engine_placements(config, placement_group)
         self.engines = [
             EngineWorker.options(**options).remote(
                 config, index, 0 if on_gpu else threads, weights_dir, engine_cores[index]
             )
-            for index in range(rollout.num_engines)
+            for index, (options, _) in enumerate(placements)
         ]
         self.names = [f"rollout engine {index}" for index in range(len(self.engines))]
-        self._asked = ", ".join(f"{key} {value}" for key, value in options.items() if key.startswith("num_"))
+        asked = placements[0][0] if placements else {}
+        self._asked = ", ".join(f"{key} {value}" for key, value in asked.items() if key.startswith("num_"))
         # Engines whose GPUs do not depend on where Ray put them are built at once.
-        self._building = None if on_gpu and rollout.colocate else [engine.start.remote(None) for engine in self.engines]
+        late = on_gpu and rollout.colocate and placement_group is None
+        self._building = None if late else [e.start.remote(base) for e, (_, base) in zip(self.engines, placements)]
         if start:
             self.start()
 
