@@ -285,6 +285,8 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
         seed=rollout.seed + index,
         enable_memory_saver=rollout.colocate,
         deterministic=rollout.deterministic_inference,
+        # The trainer's engines get every weight from the actor before they generate.
+        load_format="auto" if weights_dir is not None else "dummy",
     )
 
 

@@ -114,6 +114,7 @@ SGLANG_SERVER_ARGS = (
     "enable_memory_saver",
     "enable_deterministic_inference",
     "dtype",
+    "load_format",
 )
 # Keys of SGLang's per-request sampling_params dict used below.
 SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed")
@@ -213,6 +214,9 @@ class SGLangRolloutEngine(RolloutEngine):
         dtype: weight dtype (``bfloat16`` for the published recipe).
         enable_memory_saver: needed for release/resume when colocated with the actor.
         deterministic: SGLang's deterministic inference (honours per-row seeds; slower).
+        load_format: SGLang's; ``"dummy"`` allocates the weights without reading them (the
+            trainer's engines: the actor's first sync overwrites every weight, and reading a
+            32B checkpoint per engine at every start and requeue costs minutes).
     """
 
     def __init__(
@@ -226,6 +230,7 @@ class SGLangRolloutEngine(RolloutEngine):
         dtype: str = "bfloat16",
         enable_memory_saver: bool = True,
         deterministic: bool = False,
+        load_format: str = "auto",
     ) -> None:
         check_engine_process()
         try:
@@ -244,6 +249,7 @@ class SGLangRolloutEngine(RolloutEngine):
             enable_memory_saver=enable_memory_saver,
             enable_deterministic_inference=deterministic,
             dtype=dtype,
+            load_format=load_format,
         )
         self.tp_size = tp_size
         self.released = False

@@ -92,6 +92,18 @@ def test_engine_is_exported_and_takes_server_args():
     assert not missing, f"server args not in sglang {SUPPORTED_SGLANG}: {sorted(missing)}"
 
 
+def test_the_trainers_engines_can_start_without_reading_weights():
+    """``load_format="dummy"`` (the trainer's engines: the actor's sync fills the weights)
+    is one of the release's load formats."""
+    tree = parse("sglang/srt/arg_groups/choices.py")
+    choices = next(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "LOAD_FORMAT_CHOICES" for t in node.targets)
+    )
+    assert "dummy" in ast.literal_eval(choices) and "auto" in ast.literal_eval(choices)
+
+
 def test_sampling_params_keys_exist():
     cls = find_class(parse("sglang/srt/sampling/sampling_params.py"), "SamplingParams")
     fields = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
