@@ -476,7 +476,13 @@ class ActorGroup:
             for rank in range(self.world_size)
         ]
         if while_ranks_start is not None:
-            while_ranks_start(self)
+            try:
+                while_ranks_start(self)
+            except BaseException:  # nobody holds this group yet to shut it down
+                for rank in self.ranks:
+                    ray.kill(rank)
+                remove_placement_group(self.placement_group)
+                raise
         self._rank_places_cache: Optional[list[tuple[str, list[int]]]] = None
         self._engine_places: dict[tuple, list[tuple[str, list[int]]]] = {}
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())

@@ -100,7 +100,8 @@ def _refuse_unscheduled(waiting: list[tuple[str, Any]], total: int, what: str, a
     have = ", ".join(f"{free.get(k, 0.0):g} {k} free of {total_resources.get(k, 0.0):g}" for k in ("CPU", "GPU"))
     raise MemberFailed(
         f"{len(unplaced)} of {total} {what}(s) not started after {waited_s:.0f} s ({', '.join(unplaced[:4])}"
-        f"{', ...' if len(unplaced) > 4 else ''}): Ray has not placed them"
+        f"{', ...' if len(unplaced) > 4 else ''}): Ray has not started them (nothing free that they ask for, "
+        "or their processes are still starting)"
         f"{f' (each asks for {asked})' if asked else ''}; the cluster has {have} on "
         f"{len([n for n in ray.nodes() if n['Alive']])} node(s)"
     )

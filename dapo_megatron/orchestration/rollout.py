@@ -322,9 +322,13 @@ class RolloutWorkers:
         self.names = [f"rollout engine {index}" for index in range(len(self.engines))]
         asked = placements[0][0] if placements else {}
         self._asked = ", ".join(f"{key} {value}" for key, value in asked.items() if key.startswith("num_"))
-        # Engines whose GPUs do not depend on where Ray put them are built at once.
-        late = on_gpu and rollout.colocate and placement_group is None
-        self._building = None if late else [e.start.remote(base) for e, (_, base) in zip(self.engines, placements)]
+        if "scheduling_strategy" in asked:
+            self._asked += ", inside the actor's placement group"
+        self._bases = [base for _, base in placements]
+        # Engines that share no device with the actor are built at once; colocated GPU
+        # engines only once the actor is up (SGLang sizes its cache from the free memory).
+        late = on_gpu and rollout.colocate
+        self._building = None if late else [e.start.remote(base) for e, base in zip(self.engines, self._bases)]
         if start:
             self.start()
 
@@ -335,11 +339,13 @@ class RolloutWorkers:
         on_gpu = engine_kind(self.config) == "sglang"
         building = self._building
         placed = {"members": self.engines, "asked": self._asked}  # a start waits for placement, boundedly
-        if building is None:  # colocated on GPUs: each takes the next free GPUs of its node
-            nodes = call_all(
-                [engine.node_id.remote() for engine in self.engines], "rollout engine", self.names, **placed
-            )
-            bases = engine_gpu_bases(nodes, rollout.engine_tp_size, self.config.parallel.num_devices_per_node)
+        if building is None:  # colocated on GPUs: given their GPUs, or the next free ones of their node
+            bases = self._bases
+            if None in bases:
+                nodes = call_all(
+                    [engine.node_id.remote() for engine in self.engines], "rollout engine", self.names, **placed
+                )
+                bases = engine_gpu_bases(nodes, rollout.engine_tp_size, self.config.parallel.num_devices_per_node)
             building = [engine.start.remote(base) for engine, base in zip(self.engines, bases)]
         call_all(building, "rollout engine", self.names, **placed)
         health = call_all([engine.health.remote() for engine in self.engines], "a rollout engine", self.names)
