@@ -201,21 +201,13 @@ def test_an_engine_is_built_only_in_an_engine_process(monkeypatch):
 
 
 def test_the_trainers_engines_skip_reading_weights_the_sync_overwrites(monkeypatch, tmp_path):
-    from transformers import Qwen2Config
-
     from dapo_megatron.config import config_from_dict
     from dapo_megatron.orchestration.rollout import _build_engine
+    from tests.distributed.actor_worker import tiny_hf_qwen2
 
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=StandInEngine))
     monkeypatch.setenv(sglang_engine.ENGINE_PROCESS_ENV, str(os.getpid()))
-    Qwen2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ).save_pretrained(tmp_path / "model")
+    tiny_hf_qwen2(tied=False, seed=0).config.save_pretrained(tmp_path / "model")
     config = config_from_dict(
         {"model": {"hf_config": str(tmp_path / "model")}, "rollout": {"engine": "sglang", "engine_tp_size": 1}}
     )
