@@ -57,6 +57,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             )
         print(f"dapo-megatron plan: smallest change that fits: {plan.suggestion}", file=sys.stderr)
         return EXIT_USAGE
+    if args.rehearse:
+        return _rehearse(config, args)
+    return 0
+
+
+def _rehearse(config, args: argparse.Namespace) -> int:
+    """``plan --rehearse``: place the job on a simulated cluster; 2 when it cannot be placed."""
+    import logging
+
+    from dapo_megatron.orchestration.calls import MemberFailed
+    from dapo_megatron.orchestration.rehearsal import format_rehearsal, rehearse
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        rehearsal = rehearse(config, cpus_per_node=args.cpus_per_node, spare_nodes=args.spare_nodes)
+    except (MemberFailed, ValueError, RuntimeError) as exc:
+        print(f"dapo-megatron plan: error: the job cannot be placed: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(format_rehearsal(rehearsal))
+    if rehearsal.problems:
+        print(
+            f"dapo-megatron plan: error: the rehearsed placement has {len(rehearsal.problems)} problem(s)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     return 0
 
 
@@ -262,6 +287,28 @@ def build_parser() -> argparse.ArgumentParser:
         "Exits 2 with the reason and the smallest change that fits when it does not fit.",
     )
     _config_arguments(plan, _cmd_plan)
+    plan.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="also place the whole job on a simulated cluster of the config's nodes and GPUs (a local Ray instance "
+        "that declares them; no GPU needed), through the code train uses, with stand-in ranks and engines; print the "
+        "per-node map and check it (every GPU one rank, engines on their node's GPUs and fed from it)",
+    )
+    plan.add_argument(
+        "--cpus-per-node",
+        type=int,
+        default=32,
+        metavar="N",
+        help="CPUs each simulated node declares (default 32; at least parallel.num_devices_per_node)",
+    )
+    plan.add_argument(
+        "--spare-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulated nodes besides the actor's, for separate engines (rollout.colocate=false); default: as many as "
+        "the engines' GPUs fill",
+    )
 
     train = commands.add_parser(
         "train",

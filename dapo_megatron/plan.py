@@ -169,6 +169,9 @@ class MemoryEstimate:
     reference: int = 0
     """The KL penalty's frozen reference policy (``algorithm.use_kl_loss``): one more copy
     of the stage's weights, without gradients or optimizer state."""
+    engines_colocated: bool = True
+    """Whether the engines share the actor's GPUs (``rollout.colocate``); separate engines
+    hold GPUs of their own and add nothing to the actor's."""
 
     @property
     def train_phase(self) -> int:
@@ -190,6 +193,8 @@ class MemoryEstimate:
     @property
     def rollout_phase(self) -> int:
         engines = self.sglang if self.engine == "sglang" else self.engines_per_gpu * self.hf_engine
+        if not self.engines_colocated:
+            engines = 0
         return (
             self.weights + self.reference + self.gradients + self.optimizer + engines + self.sync_export + self.overhead
         )
@@ -281,6 +286,7 @@ def estimate_memory(config: Config) -> MemoryEstimate:
         engines_per_gpu=-(-r.num_engines // p.world_size),
         sync_export=0 if on_cpu else sync_export_bytes(config, param_bytes),
         reference=params * param_bytes if config.algorithm.use_kl_loss else 0,
+        engines_colocated=r.colocate,
     )
 
 
@@ -583,7 +589,8 @@ def format_plan(plan: Plan) -> str:
             f"{host.engine_bytes / GIB:.2f} GiB = {gib(host.total).strip()} of {host.available / GIB:.1f} GiB",
         ]
     else:
-        lines += [row("= rollout phase", mem.rollout_phase), f"GPU memory: {p.gpu_memory_gb:g} GiB"]
+        phase = "= rollout phase" if r.colocate else "= rollout phase (engines on GPUs of their own)"
+        lines += [row(phase, mem.rollout_phase), f"GPU memory: {p.gpu_memory_gb:g} GiB"]
     lines.append(
         f"collective timeout: {p.timeout_minutes:g} min (parallel.timeout_minutes): ranks wait in collectives while "
         "training, computing log-probs, saving and syncing weights, never while the engines generate"

@@ -31,14 +31,21 @@ from typing import Any, Optional
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
 
 from dapo_megatron.actor.batch import PolicyBatch
 from dapo_megatron.actor.weight_sync import check_feeders, feeder_roles
 from dapo_megatron.config import Config
 from dapo_megatron.orchestration.calls import call_all, cause_of, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
+from dapo_megatron.orchestration.placement import (
+    actor_bundle,
+    actor_on_gpu,
+    actor_placement_group,
+    choose_feeders,
+    engine_kind,
+    rank_options,
+)
 from dapo_megatron.rollout.engine import SyncStats, WeightSyncError, with_last_flag
 
 logger = logging.getLogger(__name__)
@@ -131,23 +138,6 @@ class _BroadcastFanout:
             "weight broadcast",
             lambda: broadcast_buckets(buckets, self.group, announce, device=self.device),
         )
-
-
-def choose_feeders(
-    engine_places: list[tuple[str, list[int]]], rank_places: list[tuple[str, list[int]]], valid: set[int]
-) -> dict[int, list[int]]:
-    """The rank that feeds each colocated engine, from where engines and ranks are (Ray
-    node, GPU ids): the lowest rank that may feed (a stage leader of the first replica or
-    a rank of another replica) on one of the engine's own GPUs, so its workers map local
-    memory; else the lowest on the engine's node (CUDA IPC works within a node); else
-    rank 0. Engines on one node get different feeders when their GPUs differ, so they
-    are fed in parallel."""
-    plan: dict[int, list[int]] = {}
-    for index, (node, gpus) in enumerate(engine_places):
-        local = [rank for rank in sorted(valid) if rank_places[rank][0] == node]
-        own = [rank for rank in local if set(rank_places[rank][1]) & set(gpus)]
-        plan.setdefault((own or local or [0])[0], []).append(index)
-    return plan
 
 
 @ray.remote
@@ -299,8 +289,6 @@ class ActorRank:
 
         fanout = None
         if engines and self.config.rollout.colocate:
-            from dapo_megatron.orchestration.rollout import engine_kind
-
             if not self._buffers:
                 self._buffers = [SharedBucketBuffer(self.actor.device) for _ in range(2)]
             serialize = None
@@ -435,26 +423,28 @@ def _refuse_what_cannot_be_placed(config: Config, bundle: dict[str, int]) -> Non
 class ActorGroup:
     """All ranks of the actor, called as one (see the module docstring)."""
 
-    def __init__(self, config: Config, while_ranks_start: Optional[Callable[[ActorGroup], None]] = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        while_ranks_start: Optional[Callable[[ActorGroup], None]] = None,
+        rank_actor=None,
+        schedule_timeout_s: Optional[float] = None,
+    ) -> None:
         """Place the ranks, start them and set up megatron in each. ``while_ranks_start``
         is called with the group once the ranks' processes have been asked for, before
         waiting for them (the engines' processes then start alongside instead of after
-        them, colocated GPU engines inside the group's :attr:`placement_group`)."""
+        them, colocated GPU engines inside the group's :attr:`placement_group`).
+        ``rank_actor``: the Ray actor class of a rank (:class:`ActorRank`; the placement
+        rehearsal's stand-ins). A rank Ray has not started after ``schedule_timeout_s``
+        (default :data:`SCHEDULE_TIMEOUT_S`) fails the start, named."""
         self.config = config
         parallel = config.parallel
         self.world_size = parallel.world_size
-        on_gpu = parallel.device == "cuda" or (parallel.device == "auto" and torch.cuda.is_available())
-        # One bundle per node holding that node's ranks, on distinct nodes: ranks
-        # r * devices_per_node ... (r + 1) * devices_per_node - 1 share node r, as
-        # megatron's process groups assume (tensor parallelism inside a node).
-        per_node = parallel.num_devices_per_node
-        bundle = {"CPU": per_node, "GPU": per_node} if on_gpu else {"CPU": per_node}
+        on_gpu = actor_on_gpu(parallel)
+        bundle = actor_bundle(parallel, on_gpu)
         _refuse_what_cannot_be_placed(config, bundle)
         logger.info("placing the actor's %d rank(s): %d node(s) x %s", self.world_size, parallel.num_nodes, bundle)
-        self.placement_group = placement_group(
-            [dict(bundle) for _ in range(parallel.num_nodes)],
-            strategy="STRICT_SPREAD" if parallel.num_nodes > 1 else "STRICT_PACK",
-        )
+        self.placement_group = actor_placement_group(parallel, bundle)
         ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(self.placement_group)
@@ -463,16 +453,9 @@ class ActorGroup:
                 f"{PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.cluster_resources()} on "
                 f"{len([n for n in ray.nodes() if n['Alive']])} node(s) (parallel.num_nodes must not exceed them)"
             )
-        env = {"OMP_NUM_THREADS": "1"} if not on_gpu else {}
+        rank_actor = ActorRank if rank_actor is None else rank_actor
         self.ranks = [
-            ActorRank.options(
-                num_cpus=1,
-                num_gpus=1 if on_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_group, placement_group_bundle_index=rank // per_node
-                ),
-                runtime_env={"env_vars": env},
-            ).remote(config)
+            rank_actor.options(**rank_options(parallel, self.placement_group, rank, on_gpu)).remote(config)
             for rank in range(self.world_size)
         ]
         if while_ranks_start is not None:
@@ -485,7 +468,17 @@ class ActorGroup:
                 raise
         self._rank_places_cache: Optional[list[tuple[str, list[int]]]] = None
         self._engine_places: dict[tuple, list[tuple[str, list[int]]]] = {}
-        master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
+        placed = {
+            "members": [self.ranks[0]],
+            "asked": "1 CPU" + (", 1 GPU" if on_gpu else "") + " of its node's bundle",
+        }
+        master_addr, master_port = call_all(
+            [self.ranks[0].rendezvous_address.remote()],
+            "an actor rank",
+            ["actor rank 0"],
+            schedule_timeout_s=schedule_timeout_s,
+            **placed,
+        )[0]
         separate = separate_cpu_cores(config)  # ranks on cores of their own (async generation)
         rank_cores = separate[0] if separate else [None] * self.world_size
         self.names = [f"actor rank {rank}" for rank in range(self.world_size)]
@@ -496,6 +489,8 @@ class ActorGroup:
             ],
             "an actor rank",
             self.names,
+            schedule_timeout_s=schedule_timeout_s,
+            **{**placed, "members": self.ranks},
         )
         self.names = [
             f"actor rank {i['rank']} (tp {i['tp_rank']}, pp {i['pp_rank']}, dp {i['dp_rank']}; pid {i['pid']})"
@@ -615,8 +610,6 @@ class ActorGroup:
         colocated transformers engines on the CPU runtime, all on the ranks' one node
         (handles name shared memory, which only that node can map). Asked of Ray once per
         set of engines."""
-        from dapo_megatron.orchestration.rollout import engine_kind
-
         if not (self.config.rollout.colocate and self.infos[0]["device"] == "cpu" and engine_kind(self.config) == "hf"):
             return False
         nodes = self._nodes_of(engines)

@@ -33,6 +33,7 @@ import torch
 from dapo_megatron.config import Config, hf_weights_folder
 from dapo_megatron.orchestration.calls import call_all, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
+from dapo_megatron.orchestration.placement import engine_gpu_bases, engine_kind, engine_placements, engine_start_gpus
 from dapo_megatron.rollout.engine import Generation, SamplingParams, sampling_seeds
 
 logger = logging.getLogger(__name__)
@@ -72,11 +73,7 @@ class EngineWorker:
         from dapo_megatron.rollout.sglang_engine import mark_engine_process
 
         mark_engine_process()
-        tp = self.config.rollout.engine_tp_size
-        if base_gpu_id is None and engine_kind(self.config) == "sglang":
-            base_gpu_id = reserved_gpu_base([int(i) for i in ray.get_gpu_ids()], tp)
-        if base_gpu_id is not None:
-            self.gpus = list(range(base_gpu_id, base_gpu_id + tp))
+        base_gpu_id, self.gpus = engine_start_gpus(self.config, base_gpu_id, [int(i) for i in ray.get_gpu_ids()])
         self.engine = _build_engine(self.config, self.index, self.weights_dir, base_gpu_id or 0)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Generation]:
@@ -158,106 +155,6 @@ class EngineWorker:
         self.engine.shutdown()
 
 
-def engine_kind(config: Config) -> str:
-    """``sglang`` or ``hf``: ``rollout.engine``, with ``auto`` meaning SGLang on a GPU."""
-    if config.rollout.engine != "auto":
-        return config.rollout.engine
-    return "sglang" if torch.cuda.is_available() and config.parallel.device != "cpu" else "hf"
-
-
-def engine_gpu_bases(engine_nodes: list[str], tp_size: int, gpus_per_node: int) -> list[int]:
-    """Colocated engines: each engine's first GPU on its node (engines of a node, in index
-    order, take consecutive ``tp_size`` slots); ValueError when a node's engines need more
-    GPUs than it has."""
-    bases, used = [], {}
-    for index, node in enumerate(engine_nodes):
-        base = used.get(node, 0)
-        if base + tp_size > gpus_per_node:
-            count = engine_nodes.count(node)
-            raise ValueError(
-                f"rollout engine {index}: node {node} holds {count} engines of engine_tp_size={tp_size} "
-                f"({count * tp_size} GPUs) but has {gpus_per_node} (parallel.num_devices_per_node): lower "
-                "rollout.num_engines or engine_tp_size, or add nodes"
-            )
-        bases.append(base)
-        used[node] = base + tp_size
-    return bases
-
-
-NOSET_CUDA_VISIBLE_DEVICES = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-"""A GPU engine's process sees all of its node's GPUs and is told which are its own."""
-
-
-def colocated_engine_slots(num_engines: int, tp_size: int, num_nodes: int, gpus_per_node: int) -> list[tuple[int, int]]:
-    """Colocated GPU engines: each engine's node (the bundle of the actor's placement
-    group, one per node) and first GPU. Engines spread evenly over the nodes, in index
-    order; a node's engines take consecutive ``tp_size`` GPUs from 0. ValueError when
-    they cannot."""
-    if num_engines % num_nodes:
-        raise ValueError(
-            f"rollout.num_engines={num_engines} colocated engines do not spread evenly over "
-            f"parallel.num_nodes={num_nodes} nodes: use a multiple of {num_nodes}"
-        )
-    per_node = num_engines // num_nodes
-    if per_node * tp_size > gpus_per_node:
-        raise ValueError(
-            f"{per_node} colocated engines of engine_tp_size={tp_size} per node need {per_node * tp_size} GPUs, "
-            f"a node has {gpus_per_node} (parallel.num_devices_per_node): lower rollout.num_engines or engine_tp_size"
-        )
-    return [(index // per_node, (index % per_node) * tp_size) for index in range(num_engines)]
-
-
-def engine_placements(config: Config, placement_group=None) -> list[tuple[dict, Optional[int]]]:
-    """Each engine's Ray options and first GPU (None: decided at start, or none).
-
-    Colocated GPU engines with the actor's ``placement_group`` live inside it: Ray grants
-    a placement group's GPUs only to tasks scheduled into it, and the actor's ranks
-    reserve every GPU of their nodes, so an engine asking for a GPU share outside the
-    group would never start. They take no CPU or GPU of the bundle (the ranks hold them)
-    and are given their GPUs explicitly (:func:`colocated_engine_slots`). Separate GPU
-    engines reserve ``engine_tp_size`` GPUs of their own; CPU engines a CPU."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    rollout = config.rollout
-    if engine_kind(config) != "sglang":
-        return [({"num_cpus": 1, "num_gpus": 0}, None) for _ in range(rollout.num_engines)]
-    if not rollout.colocate:
-        options = {"num_cpus": 1, "num_gpus": rollout.engine_tp_size, "runtime_env": NOSET_CUDA_VISIBLE_DEVICES}
-        return [(dict(options), None) for _ in range(rollout.num_engines)]
-    if placement_group is None:  # no actor reserves the GPUs (evaluation): a share of one
-        options = {"num_cpus": 1, "num_gpus": 0.2, "runtime_env": NOSET_CUDA_VISIBLE_DEVICES}
-        return [(dict(options), None) for _ in range(rollout.num_engines)]
-    parallel = config.parallel
-    slots = colocated_engine_slots(
-        rollout.num_engines, rollout.engine_tp_size, parallel.num_nodes, parallel.num_devices_per_node
-    )
-    return [
-        (
-            {
-                "num_cpus": 0,
-                "num_gpus": 0,
-                "runtime_env": NOSET_CUDA_VISIBLE_DEVICES,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=node
-                ),
-            },
-            base,
-        )
-        for node, base in slots
-    ]
-
-
-def reserved_gpu_base(gpu_ids: list[int], tp_size: int) -> int:
-    """The first of the consecutive GPUs Ray reserved for a separate engine."""
-    ids = sorted(gpu_ids)
-    if not ids or ids != list(range(ids[0], ids[0] + tp_size)):
-        raise ValueError(
-            f"a separate rollout engine of engine_tp_size={tp_size} needs {tp_size} consecutive GPUs of its own; "
-            f"Ray reserved {ids}"
-        )
-    return ids[0]
-
-
 def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None, base_gpu_id: int = 0):
     """The engine of worker ``index``: with ``weights_dir`` (an HF folder) serving those
     weights; otherwise the trainer's engines, whose weights the actor syncs in. SGLang's
@@ -294,14 +191,20 @@ class RolloutWorkers:
     """All rollout engines, driven as one (see the module docstring)."""
 
     def __init__(
-        self, config: Config, weights_dir: Optional[str] = None, start: bool = True, placement_group=None
+        self,
+        config: Config,
+        weights_dir: Optional[str] = None,
+        start: bool = True,
+        placement_group=None,
+        engine_actor=None,
     ) -> None:
         """``weights_dir``: an HF folder every engine serves from the start (evaluation);
         without it the engines wait for the actor's weights. With ``start=False`` only the
         engines' processes are asked for (they start and import in the background, e.g.
         while the actor's ranks set up); :meth:`start` then builds the engines.
         ``placement_group``: the actor's, which colocated GPU engines live in (see
-        :func:`engine_placements`)."""
+        :func:`engine_placements`). ``engine_actor``: the Ray actor class of an engine
+        (:class:`EngineWorker`; the placement rehearsal's stand-ins)."""
         self.config = config
         rollout = config.rollout
         on_gpu = engine_kind(config) == "sglang"
@@ -313,8 +216,9 @@ class RolloutWorkers:
         if separate and not config.ray.engine_num_threads:
             threads = len(engine_cores[0])
         placements = engine_placements(config, placement_group)
+        engine_actor = EngineWorker if engine_actor is None else engine_actor
         self.engines = [
-            EngineWorker.options(**options).remote(
+            engine_actor.options(**options).remote(
                 config, index, 0 if on_gpu else threads, weights_dir, engine_cores[index]
             )
             for index, (options, _) in enumerate(placements)
@@ -332,13 +236,18 @@ class RolloutWorkers:
         if start:
             self.start()
 
-    def start(self) -> None:
+    def start(self, schedule_timeout_s: Optional[float] = None) -> None:
         """Build every engine in its process (on a GPU: on the GPUs it is given) and wait
-        until each reports healthy."""
+        until each reports healthy; an engine Ray has not started after
+        ``schedule_timeout_s`` (default :data:`SCHEDULE_TIMEOUT_S`) fails it, named."""
         rollout = self.config.rollout
         on_gpu = engine_kind(self.config) == "sglang"
         building = self._building
-        placed = {"members": self.engines, "asked": self._asked}  # a start waits for placement, boundedly
+        placed = {
+            "members": self.engines,
+            "asked": self._asked,
+            "schedule_timeout_s": schedule_timeout_s,
+        }  # a start waits for placement, boundedly
         if building is None:  # colocated on GPUs: given their GPUs, or the next free ones of their node
             bases = self._bases
             if None in bases:

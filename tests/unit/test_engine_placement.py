@@ -8,7 +8,7 @@ import os
 import pytest
 import ray
 
-from dapo_megatron.orchestration.rollout import engine_gpu_bases, reserved_gpu_base
+from dapo_megatron.orchestration.placement import engine_gpu_bases, reserved_gpu_base
 
 
 def test_colocated_engines_take_consecutive_slots_per_node():
@@ -28,7 +28,7 @@ def test_separate_engines_use_the_consecutive_gpus_ray_reserved():
 
 
 def test_each_engine_is_fed_from_its_own_gpus_else_its_node():
-    from dapo_megatron.orchestration.actor_group import choose_feeders
+    from dapo_megatron.orchestration.placement import choose_feeders
 
     # Two nodes of 8 GPUs, 16 ranks (rank r on GPU r % 8 of node r // 8); ranks 0 and 8
     # are stage leaders of the first replica, ranks 4..7 and 12..15 belong to another replica.
@@ -44,7 +44,7 @@ def test_each_engine_is_fed_from_its_own_gpus_else_its_node():
 
 
 def test_colocated_slots_spread_evenly_and_refuse_what_does_not_fit():
-    from dapo_megatron.orchestration.rollout import colocated_engine_slots
+    from dapo_megatron.orchestration.placement import colocated_engine_slots
 
     # The 32B recipe: 16 nodes x 8 GPUs, 32 engines of TP 4: two per node, on GPUs 0-3 and 4-7.
     slots = colocated_engine_slots(32, 4, 16, 8)

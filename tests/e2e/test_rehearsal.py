@@ -1,0 +1,120 @@
+"""``plan --rehearse``: the job placed on a simulated GPU cluster (a local Ray instance of
+one raylet per declared node, no GPU needed) through the code ``train`` runs, with
+stand-in ranks and engines; the layouts of the 32B recipe, and what cannot be placed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dapo_megatron.config import load_config
+from dapo_megatron.orchestration.calls import MemberFailed
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "examples" / "qwen2_5_32b" / "dapo.yaml"
+FITS = "rollout.gpu_memory_utilization=0.5"  # the plan's memory check, at 2 nodes instead of 16
+
+
+def _rehearse_cli(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dapo_megatron.cli", "plan", str(RECIPE), FITS, *overrides, "--rehearse"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+
+
+def _node_blocks(text: str) -> dict[int, str]:
+    parts = re.split(r"\n  node (\d+) ", text)
+    return {int(parts[i]): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def test_the_recipes_node_layout_places_two_tp4_engines_on_each_node_fed_from_it():
+    """The recipe's own layout (tp 8 x pp 2, 8 GPUs a node, 2 colocated engines of TP 4
+    per node) on 2 of its 16 nodes: every rank on its own GPU, as Ray sets
+    CUDA_VISIBLE_DEVICES; engines on GPUs 0-3 and 4-7, fed by their node's stage leader."""
+    done = _rehearse_cli("parallel.num_nodes=2", "rollout.num_engines=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "16 rank(s), 4 engine(s) placed" in out
+    blocks = _node_blocks(out)
+    assert sorted(blocks) == [0, 1]
+    for node, block in blocks.items():
+        leader = 8 * node  # pp stage `node`'s tensor-parallel rank 0
+        for gpu in range(8):
+            rank = 8 * node + gpu
+            assert f"GPU{gpu}: r{rank} (tp{gpu} pp{node} dp0)" in block
+        assert f"engine {2 * node}: GPUs 0-3 (base_gpu_id 0), sees all of the node's, fed by rank {leader}" in block
+        assert f"engine {2 * node + 1}: GPUs 4-7 (base_gpu_id 4), sees all of the node's, fed by rank {leader}" in block
+    assert "Placement checks passed" in out
+
+
+def test_separate_engines_land_on_spare_nodes_and_wider_engines_fill_a_node():
+    """Separate engines (rollout.colocate=false) on spare nodes of their own, on GPUs no
+    rank uses; then engines of TP 8, one per node of a tp 8 x pp 2 layout."""
+    separate = _rehearse_cli(
+        "parallel.num_nodes=2",
+        "parallel.num_devices_per_node=4",
+        "parallel.tp_size=4",
+        "rollout.colocate=false",
+        "rollout.num_engines=2",
+        "rollout.engine_tp_size=4",
+    )
+    assert separate.returncode == 0, separate.stderr[-3000:]
+    blocks = _node_blocks(separate.stdout)
+    assert "(2 for the actor, 2 spare)" in separate.stdout
+    assert "(spare;" in blocks[2] and "(spare;" in blocks[3]
+    assert (blocks[2] + blocks[3]).count("GPUs 0-3 (base_gpu_id 0)") == 2
+    assert "engine" not in blocks[0] and "engine" not in blocks[1]
+    assert "separate engines use GPUs no rank uses" in separate.stdout
+
+    wide = _rehearse_cli("parallel.num_nodes=2", "rollout.num_engines=2", "rollout.engine_tp_size=8")
+    assert wide.returncode == 0, wide.stderr[-3000:]
+    blocks = _node_blocks(wide.stdout)
+    assert "engine 0: GPUs 0-7 (base_gpu_id 0)" in blocks[0] and "engine 1: GPUs 0-7 (base_gpu_id 0)" in blocks[1]
+
+
+def _one_node_of_four_gpus(*overrides: str):
+    """The recipe on one node of 4 GPUs (tp 4) with one engine of TP 4."""
+    layout = ["parallel.num_nodes=1", "parallel.num_devices_per_node=4", "parallel.tp_size=4", "parallel.pp_size=1"]
+    return load_config(RECIPE, [FITS, *layout, "rollout.num_engines=1", "rollout.engine_tp_size=4", *overrides])
+
+
+def test_what_cannot_be_placed_is_refused_within_the_bound_naming_what_it_asks():
+    """Separate engines without a spare node: Ray can never start them; the rehearsal
+    names them and what they ask for within its bound, instead of waiting."""
+    from dapo_megatron.orchestration.rehearsal import rehearse
+
+    config = _one_node_of_four_gpus("rollout.colocate=false")
+    with pytest.raises(
+        MemberFailed, match=r"1 of 1 rollout engine\(s\) not started after 10 s .*num_gpus 4.*0 GPU free of 4"
+    ):
+        rehearse(config, spare_nodes=0, schedule_timeout_s=10)
+
+
+def test_the_old_recipe_placement_would_not_start(monkeypatch):
+    """Negative control: colocated engines asking for a GPU share outside the actor's
+    placement group (the recipe's placement before it was fixed) are never started by
+    Ray, and the rehearsal says so."""
+    from dapo_megatron.orchestration import rollout
+    from dapo_megatron.orchestration.rehearsal import rehearse
+
+    def outside_the_group(config, placement_group=None):
+        return [({"num_cpus": 1, "num_gpus": 0.2}, None) for _ in range(config.rollout.num_engines)]
+
+    monkeypatch.setattr(rollout, "engine_placements", outside_the_group)
+    config = _one_node_of_four_gpus()
+    with pytest.raises(MemberFailed, match=r"rollout engine\(s\) not started after 10 s"):
+        rehearse(config, schedule_timeout_s=10)
+
+
+def test_more_engines_than_the_gpus_hold_are_refused_before_anything_starts(capsys):
+    from dapo_megatron.cli import main
+
+    assert main(["plan", str(RECIPE), "rollout.num_engines=48", "--rehearse"]) == 2
+    assert "rollout.num_engines x rollout.engine_tp_size" in capsys.readouterr().err
