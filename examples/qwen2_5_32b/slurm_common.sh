@@ -50,14 +50,17 @@ print("\n".join(out))
 PY
 }
 
-# SRUN=(srun on one node ... "$@"), inside the container when CONTAINER_IMAGE is set (pyxis).
+# SRUN=(srun on one node ... "$@"), inside the container when CONTAINER_IMAGE is set (pyxis),
+# in REPO_DIR (which the container mounts).
 # shellcheck disable=SC2034  # SRUN is read by the sourcing script
 srun_on() {
   local node="$1" log="$2"
   shift 2
   local container=()
   if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
-    container=(--container-image="$CONTAINER_IMAGE" --container-mounts="${CONTAINER_MOUNTS:-$MODEL_DIR,$DATA_DIR,$OUTPUT_DIR}")
+    # The repository is mounted at the same absolute path and is the working directory.
+    container=(--container-image="$CONTAINER_IMAGE" --container-mounts="${CONTAINER_MOUNTS:-$REPO_DIR,$MODEL_DIR,$DATA_DIR,$OUTPUT_DIR}"
+      --container-workdir="$REPO_DIR")
   fi
   SRUN=(srun --nodes=1 --ntasks=1 --overlap -w "$node" --output="$log" "${container[@]}" "$@")
 }

@@ -287,6 +287,11 @@ def test_train_dry_run_for_a_two_node_allocation():
         assert expected in train[0]
     plan = [line for line in lines if "dapo-megatron plan" in line]
     assert len(plan) == 1 and lines.index(plan[0]) < lines.index(head[0])
+    # Placement rehearsed before Ray starts, on the head node (inside the container, if any).
+    assert plan[0].endswith(" --rehearse") and "-w gpu-007" in plan[0]
+    assert f"plan {SCRIPTS / 'dapo.yaml'} " in plan[0]
+    skipped = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.5", REHEARSE="0")
+    assert "--rehearse" not in next(line for line in skipped.stdout.splitlines() if "dapo-megatron plan" in line)
     # The layout the dry run would launch is one `plan` accepts (with the shipped model config).
     overrides = train[0].split("dapo.yaml ", 1)[1].replace("\\[", "[").replace("\\]", "]").split()
     overrides = [o for o in overrides if not o.startswith("model.hf_config=")]
@@ -305,6 +310,30 @@ def test_a_requeued_job_resumes_the_run_it_finds(tmp_path):
     script = (SCRIPTS / "train.sbatch").read_text()
     assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@300" in script
     assert "trap 'forward_to_train USR1' USR1" in script and "(( status == 75 ))" in script
+
+
+def test_with_a_container_every_command_that_needs_the_package_runs_inside_it():
+    """plan, the wait for Ray's GPUs, ray start and train each run through srun with the
+    container's flags, the repository mounted at its own path and used as the workdir."""
+    result = _dry_run("train.sbatch", CONTAINER_IMAGE="/images/dapo.sqsh")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    repo = str(ROOT)
+    for needle in (
+        "dapo-megatron plan",
+        "ray.cluster_resources",
+        "ray start --head",
+        "ray start --address",
+        "dapo-megatron train",
+    ):
+        line = next(line for line in lines if needle in line).replace("\\,", ",")  # as printf %q quotes it
+        assert line.startswith("+ srun "), line
+        assert "--container-image=/images/dapo.sqsh" in line, line
+        assert f"--container-mounts={repo},/models/Qwen2.5-32B,/data,/runs/dapo" in line, line
+        assert f"--container-workdir={repo}" in line, line
+    convert = _dry_run("convert.sbatch", CONTAINER_IMAGE="/images/dapo.sqsh")
+    assert convert.returncode == 0, convert.stderr
+    assert f"--container-workdir={repo}" in convert.stdout
 
 
 def test_the_cluster_takes_only_this_jobs_token():
