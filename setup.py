@@ -26,9 +26,15 @@ setup(
     ],
     extras_require={
         # The GPU stack (CUDA 13): the SGLang release the engine wrapper is written and
-        # contract-tested against, the torch it pins, and the Transformer Engine releases
-        # megatron-core 0.16.1 is tested with (its own `dev` extra's range).
-        "gpu": ["sglang==0.5.23", "torch==2.14.1", "transformer-engine[pytorch,core_cu13]>=2.9.0a0,<2.12.0"],
+        # contract-tested against, the torch it pins, the megatron-core release the CPU
+        # suite tests (Python 3.12 would otherwise take 0.19), and the Transformer Engine
+        # releases that megatron-core is tested with (its own `dev` extra's range).
+        "gpu": [
+            "sglang==0.5.23",
+            "torch==2.14.1",
+            "megatron-core==0.16.1",
+            "transformer-engine[pytorch,core_cu13]>=2.9.0a0,<2.12.0",
+        ],
         # Plots of docs/performance.md (benchmarks/plot_performance.py).
         "bench": ["matplotlib>=3.8"],
         "test": [

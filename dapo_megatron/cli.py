@@ -68,6 +68,7 @@ def _rehearse(config, args: argparse.Namespace) -> int:
 
     from dapo_megatron.orchestration.calls import MemberFailed
     from dapo_megatron.orchestration.rehearsal import format_rehearsal, rehearse
+    from dapo_megatron.plan import stage_sync_bytes
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
@@ -75,7 +76,7 @@ def _rehearse(config, args: argparse.Namespace) -> int:
     except (MemberFailed, ValueError, RuntimeError) as exc:
         print(f"dapo-megatron plan: error: the job cannot be placed: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(format_rehearsal(rehearsal))
+    print(format_rehearsal(rehearsal, stage_sync_bytes(config)))
     if rehearsal.problems:
         print(
             f"dapo-megatron plan: error: the rehearsed placement has {len(rehearsal.problems)} problem(s)",

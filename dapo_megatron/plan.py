@@ -65,6 +65,9 @@ OVERHEAD_BYTES = 3 * GIB
 CPU_PROCESS_BYTES = 1 * GIB
 """One CPU rank or engine process: importing torch, megatron-core, transformers and Ray
 alone takes 0.42 GiB of resident memory (measured on this project's CPU machine)."""
+CUDA_CONTEXT_BYTES = GIB // 2
+"""One process's CUDA context on a GPU (an SGLang TP worker opening a CUDA IPC share of
+the feeder's GPU creates one there)."""
 LOGPROB_CHUNK_BYTES = 128 * 2**20
 """One chunk of fp32 logits in the fused log-prob (see actor/vocab_parallel.py)."""
 
@@ -113,6 +116,70 @@ def stage_parameters_per_gpu(config: Config) -> list[int]:
                 stage_sharded += vocab
         per_stage.append(stage_sharded // p.tp_size + stage_replicated)
     return per_stage
+
+
+def stage_sync_bytes(config: Config) -> list[int]:
+    """Bytes of each pipeline stage's weights as a weight sync sends them: HF tensors
+    (vocabulary unpadded, the output layer only when untied) in the parameters' dtype."""
+    m, p = config.model, config.parallel
+    sharded, replicated = layer_parameters(config)
+    param_bytes = 4 if m.params_dtype == "float32" or (p.device == "cpu" and m.params_dtype == "auto") else 2
+    vocab = m.vocab_size * m.hidden_size
+    split = pipeline_layer_split(m.num_layers, p)
+    stages = []
+    for stage, layers in enumerate(split):
+        params = layers * (sharded + replicated)
+        if stage == 0:
+            params += vocab
+        if stage == len(split) - 1:
+            params += m.hidden_size + (0 if m.tie_word_embeddings else vocab)
+        stages.append(params * param_bytes)
+    return stages
+
+
+def sync_traffic_plan(config: Config) -> Optional[str]:
+    """What each node sends and receives over the network per weight sync, for colocated
+    GPU engines fed as ``train`` feeds them (ranks r on node r // devices_per_node, GPU
+    r % devices_per_node, as Ray places them; ``plan --rehearse`` shows the real map);
+    None on one node or the CPU runtime."""
+    from dapo_megatron.actor.sync_roles import sync_roles, sync_traffic
+    from dapo_megatron.orchestration.placement import choose_feeders, colocated_engine_slots, rank_coordinates
+
+    p, r = config.parallel, config.rollout
+    if p.num_nodes == 1 or p.device == "cpu":
+        return None
+    stage_bytes = stage_sync_bytes(config)
+    per_node = p.num_devices_per_node
+    ranks = [
+        (rank, c["dp_rank"], c["tp_rank"], c["pp_rank"])
+        for rank in range(p.world_size)
+        for c in [rank_coordinates(p, rank)]
+    ]
+    nodes = [rank // per_node for rank in range(p.world_size)]
+    gb = 1e9
+    if not r.colocate:
+        leader_stages = len(stage_bytes) - 1
+        return (
+            f"weight sync: rank 0 gathers the {leader_stages} other stage(s) ({sum(stage_bytes[1:]) / gb:.1f} GB) "
+            f"and broadcasts {sum(stage_bytes) / gb:.1f} GB to {r.num_engines} separate engine(s) per sync"
+        )
+    try:
+        slots = colocated_engine_slots(r.num_engines, r.engine_tp_size, p.num_nodes, per_node)
+    except ValueError:
+        return None
+    rank_places = [(str(nodes[rank]), [rank % per_node]) for rank in range(p.world_size)]
+    engine_places = [(str(node), list(range(base, base + r.engine_tp_size))) for node, base in slots]
+    feeders = choose_feeders(engine_places, rank_places, sync_roles(ranks).valid_feeders)
+    traffic = sync_traffic(feeders, ranks, nodes, stage_bytes)
+    if not traffic:
+        return f"weight sync: {sum(stage_bytes) / gb:.1f} GB per engine, all within each node"
+    most_sent = max(sent for sent, _ in traffic.values())
+    most_received = max(received for _, received in traffic.values())
+    return (
+        f"weight sync: {sum(stage_bytes) / gb:.1f} GB of weights per engine, {len(feeders)} feeder rank(s) on "
+        f"{len({nodes[f] for f in feeders})} node(s), each fed by its own replica's stage leaders; per node and sync at most "
+        f"{most_sent / gb:.1f} GB sent and {most_received / gb:.1f} GB received over the network"
+    )
 
 
 def planned_engine(config: Config) -> str:
@@ -172,6 +239,22 @@ class MemoryEstimate:
     engines_colocated: bool = True
     """Whether the engines share the actor's GPUs (``rollout.colocate``); separate engines
     hold GPUs of their own and add nothing to the actor's."""
+    sync_staging: int = 0
+    """A feeder's two reusable weight-sync staging buffers (``rollout.weight_sync_bucket_mb``
+    each), kept across syncs (colocated SGLang engines)."""
+    engine_contexts: int = 0
+    """The CUDA contexts the SGLang TP workers a feeder serves open on its GPU to map its
+    shares (one per worker)."""
+    update_group: int = 0
+    """The weight-update communicator's buffers on rank 0 (separate engines)."""
+    checkpoint_host: int = 0
+    """Host memory a data-parallel rank 0 holds while saving a checkpoint: its shard's
+    fp32 main weights and Adam moments, gathered from its data-parallel peers."""
+
+    @property
+    def sync_resident(self) -> int:
+        """What the weight sync keeps on the busiest feeder's GPU across steps."""
+        return self.sync_export + self.sync_staging + self.engine_contexts + self.update_group
 
     @property
     def train_phase(self) -> int:
@@ -182,7 +265,7 @@ class MemoryEstimate:
             + self.optimizer
             + self.activations
             + self.logprob
-            + self.sync_export
+            + self.sync_resident
             + self.overhead
         )
 
@@ -196,8 +279,22 @@ class MemoryEstimate:
         if not self.engines_colocated:
             engines = 0
         return (
-            self.weights + self.reference + self.gradients + self.optimizer + engines + self.sync_export + self.overhead
+            self.weights
+            + self.reference
+            + self.gradients
+            + self.optimizer
+            + engines
+            + self.sync_resident
+            + self.overhead
         )
+
+    @property
+    def actor_allowance(self) -> int:
+        """What SGLang leaves the colocated actor: the GPU minus its static fraction."""
+        return self.gpu - self.sglang
+
+    gpu: int = 0
+    """The GPU's memory (``parallel.gpu_memory_gb``)."""
 
     @property
     def sglang_weights_fit(self) -> bool:
@@ -287,7 +384,26 @@ def estimate_memory(config: Config) -> MemoryEstimate:
         sync_export=0 if on_cpu else sync_export_bytes(config, param_bytes),
         reference=params * param_bytes if config.algorithm.use_kl_loss else 0,
         engines_colocated=r.colocate,
+        **_sync_and_save_bytes(config, params, engine),
+        gpu=gpu,
     )
+
+
+def _sync_and_save_bytes(config: Config, params_per_gpu: int, engine: str) -> dict[str, int]:
+    """The weight sync's resident GPU memory on the busiest feeder and the checkpoint
+    save's host memory on a data-parallel rank 0 (see :class:`MemoryEstimate`)."""
+    p, r = config.parallel, config.rollout
+    out = {"checkpoint_host": params_per_gpu * 12 if p.use_distributed_optimizer else 0}
+    if p.device == "cpu" or engine != "sglang":
+        return out
+    if r.colocate:
+        # Colocated engines of a node share its feeders; the busiest feeds them all at worst.
+        engines_per_node = -(-r.num_engines // p.num_nodes)
+        out["sync_staging"] = 2 * r.weight_sync_bucket_mb * 2**20
+        out["engine_contexts"] = engines_per_node * r.engine_tp_size * CUDA_CONTEXT_BYTES
+    else:
+        out["update_group"] = GIB // 4
+    return out
 
 
 def estimate_host_memory(config: Config, memory: MemoryEstimate) -> HostEstimate:
@@ -561,6 +677,9 @@ def format_plan(plan: Plan) -> str:
         f"    (without recompute {mem.activations_no_recompute / GIB:.2f} GiB, with {mem.activations_recompute / GIB:.2f} GiB)",
         row("log-prob buffers", mem.logprob),
         *([row("weight-sync q/k/v export buffers", mem.sync_export)] if mem.sync_export else []),
+        *([row("weight-sync staging (2 buckets)", mem.sync_staging)] if mem.sync_staging else []),
+        *([row("engine TP workers' CUDA contexts", mem.engine_contexts)] if mem.engine_contexts else []),
+        *([row("weight-update communicator", mem.update_group)] if mem.update_group else []),
         row(f"{'process' if host is not None else 'framework'} overhead", mem.overhead),
         row("= train phase", mem.train_phase),
     ]
@@ -591,10 +710,26 @@ def format_plan(plan: Plan) -> str:
     else:
         phase = "= rollout phase" if r.colocate else "= rollout phase (engines on GPUs of their own)"
         lines += [row(phase, mem.rollout_phase), f"GPU memory: {p.gpu_memory_gb:g} GiB"]
+        if r.colocate and mem.engine == "sglang":
+            resident = mem.rollout_phase - mem.sglang
+            lines.append(
+                f"actor's allowance next to SGLang's mem_fraction_static={r.gpu_memory_utilization:g}: "
+                f"{mem.actor_allowance / GIB:.2f} GiB for {resident / GIB:.2f} GiB resident while engines hold theirs"
+            )
+    if mem.checkpoint_host:
+        per_node = min(p.num_devices_per_node, p.tp_size * p.pp_size * p.cp_size)
+        lines.append(
+            f"checkpoint save: each data-parallel rank 0 gathers its shard's fp32 main weights and Adam moments in host "
+            f"memory ({mem.checkpoint_host / GIB:.2f} GiB per rank, up to {per_node * mem.checkpoint_host / GIB:.1f} GiB "
+            "on a node of the first replica)"
+        )
     lines.append(
         f"collective timeout: {p.timeout_minutes:g} min (parallel.timeout_minutes): ranks wait in collectives while "
         "training, computing log-probs, saving and syncing weights, never while the engines generate"
     )
+    traffic = sync_traffic_plan(c)
+    if traffic:
+        lines.append(traffic)
     lines.append(network_plan(c))
     if plan.fits:
         lines.append("fits")

@@ -188,6 +188,14 @@ def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
     return System(config, actor, engines, rewards, stop)
 
 
+def give_engines_their_memory_back(actor, engines) -> None:
+    """After training, colocated engines take their memory back: the actor's ranks first
+    return what their CUDA caching allocator holds unused (the activations' blocks),
+    which the engines would otherwise not find free."""
+    actor.free_cached_memory()
+    engines.resume_memory()
+
+
 def training_sampling(config: Config, tokenizer) -> SamplingParams:
     """``rollout.*``: the sampling of training rollouts (stopping at the tokenizer's EOS)."""
     r = config.rollout
@@ -372,7 +380,7 @@ class Stepper:
 
         # 6. Weight sync into every engine (not into engines whose generation just failed).
         if release:
-            engines.resume_memory()
+            give_engines_their_memory_back(actor, engines)
         sync = SyncStats(0.0, 0, 0, 0)
         if self.failed_ahead is None:
             with _timed(times, "sync"):

@@ -74,9 +74,18 @@ def _sharded_state_dict(actor, is_loading: bool) -> dict:
     return {
         "model": model_state,
         # 'fully_reshardable': optimizer state in the canonical per-parameter layout, so
-        # it loads at another tp/pp/dp layout.
+        # it loads at another tp/pp/dp layout. Its memory-efficient exchange (megatron-core
+        # 0.16.1, distrib_optimizer.py: sharded_param_state_fully_reshardable) gathers each
+        # bucket's shards over gloo into host memory of data-parallel rank 0 only; the
+        # default all-gathers them over NCCL into GPU buffers and then holds the whole
+        # stage's fp32 state in host memory on every rank.
         "optimizer": actor.optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            model_state,
+            is_loading=is_loading,
+            metadata={
+                "distrib_optim_sharding_type": "fully_reshardable",
+                "distrib_optim_fully_reshardable_mem_efficient": True,
+            },
         ),
         "rng_state": ShardedObject(
             "rng_state",

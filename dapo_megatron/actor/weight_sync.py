@@ -3,7 +3,7 @@
 After every training step the rollout engines need the new weights, in HF names and
 layouts. Megatron holds them split three ways: tensor-parallel shards, pipeline stages,
 and (for the checkpoint-side layout) fused QKV and gate/up. This module walks the model
-on every rank of the first data-parallel replica:
+on every rank of each data-parallel replica that feeds an engine:
 
 - each tensor-parallel shard is gathered onto the stage's tensor-parallel rank 0 (the
   *stage leader*), one parameter at a time; SwiGLU ``linear_fc1`` shards are
@@ -11,10 +11,13 @@ on every rank of the first data-parallel replica:
 - the leader converts the full parameter with :mod:`dapo_megatron.ckpt.qwen2_mapping`
   (the converter's mapping; vocabulary padding stripped) under its *global* layer index
   and packs the results into buckets of ``bucket_bytes``;
-- every stage leader sends its buckets to the *feeders*, the ranks that hold an engine
-  handle (by default global rank 0; the orchestration picks one rank per node that has
-  engines), and each feeder hands its engine all stages' buckets, in model order, as
-  they arrive (``engine.update_weights``).
+- every stage leader sends its buckets to the *feeders* of its own data-parallel replica,
+  the stage leaders that hold an engine handle (by default global rank 0; the
+  orchestration picks a rank on each engine's node), and each feeder hands its engine all
+  stages' buckets, in model order, as they arrive (``engine.update_weights``). Every
+  replica holds the whole model, so each replica that feeds gathers its own stages and
+  nothing travels between replicas: a rank sends at most its own stage to each other
+  feeder of its replica.
 
 No rank ever holds more than one parameter's full tensor plus one bucket, never the
 whole model. Unsharded parameters travel as views of the live weights (no copy); the
@@ -37,6 +40,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.actor.sync_roles import SyncRoles, check_feeders, feeder_roles, sync_roles
 from dapo_megatron.ckpt.qwen2_mapping import (
     EMBEDDING,
     FINAL_NORM,
@@ -49,6 +53,8 @@ from dapo_megatron.ckpt.qwen2_mapping import (
     to_hf,
 )
 from dapo_megatron.rollout.engine import RolloutEngine, SyncStats, WeightBucket, WeightSyncError
+
+__all__ = ["check_feeders", "feeder_roles", "sync_weights"]
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
@@ -158,13 +164,16 @@ def iter_piece_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Itera
         yield bucket
 
 
-def _send_bucket(bucket: Optional[WeightBucket], dst: int) -> None:
-    """Send one bucket (or the end marker None) as metadata plus one flat byte buffer."""
+def _send_bucket(bucket: Optional[WeightBucket], dst: int) -> int:
+    """Send one bucket (or the end marker None) as metadata plus one flat byte buffer;
+    the tensor bytes sent."""
     meta = None if bucket is None else [(n, tuple(t.shape), t.dtype) for n, t in bucket.tensors]
     dist.send_object_list([meta], dst=dst)
-    if bucket is not None:
-        flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket.tensors])
-        dist.send(flat, dst=dst)
+    if bucket is None:
+        return 0
+    flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket.tensors])
+    dist.send(flat, dst=dst)
+    return flat.numel()
 
 
 def recv_buckets(src: int, device: torch.device) -> Iterator[WeightBucket]:
@@ -188,35 +197,12 @@ def recv_buckets(src: int, device: torch.device) -> Iterator[WeightBucket]:
         yield bucket
 
 
-def feeder_roles(ranks: list[tuple[int, int, int, int]]) -> tuple[list[int], set[int]]:
-    """``(stage_leaders, valid_feeders)`` from every rank's ``(rank, dp, tp, pp)``.
-
-    The stage leaders are the first data-parallel replica's tensor-parallel rank 0 of
-    each pipeline stage, in stage order. A feeder may be a stage leader or any rank of
-    another replica, not a tensor-parallel peer inside the first replica: that one takes
-    part in its stage's gathers while the buckets stream, and would wait on both.
-    """
-    leaders = [rank for _, rank in sorted((pp, rank) for rank, dp, tp, pp in ranks if dp == 0 and tp == 0)]
-    valid = {rank for rank, dp, _, _ in ranks if dp != 0 or rank in leaders}
-    return leaders, valid
-
-
-def check_feeders(feeders, valid: set[int]) -> None:
-    """Refuse feeder ranks outside ``valid`` (see :func:`feeder_roles`), naming them."""
-    invalid = sorted(set(feeders) - valid)
-    if invalid:
-        raise ValueError(
-            f"ranks {invalid} cannot feed engines (tensor-parallel peers in the first data-parallel replica); "
-            f"valid feeders are {sorted(valid)}"
-        )
-
-
-def _roles(actor) -> tuple[list[int], set[int]]:
+def _roles(actor) -> SyncRoles:
     if getattr(actor, "_sync_roles", None) is None:
         runtime = actor.runtime
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (runtime.rank, runtime.dp_rank, runtime.tp_rank, runtime.pp_rank))
-        actor._sync_roles = feeder_roles(everyone)
+        actor._sync_roles = sync_roles(everyone)
     return actor._sync_roles
 
 
@@ -229,27 +215,35 @@ def sync_weights(
     """Push the actor's current weights into the engines. Collective over all actor ranks.
 
     ``feeders`` are the global ranks that feed an engine (each rank in it passes its own
-    ``engine``, typically the engines on its node; the others pass None). Every stage
-    leader of the first replica streams its buckets to every feeder, and each feeder
-    hands its engine all stages' buckets in model order, so several engines are fed at
-    once, each by a rank near it. Returns the sync's statistics on the feeders (wall time
-    includes gathering and conversion), None elsewhere. Raises :class:`WeightSyncError`
-    on a feeder whose engine refuses the weights; it then keeps its previous ones.
+    ``engine``, typically the engines on its node; the others pass None), stage leaders
+    of any replica. Each replica with a feeder gathers its own stages, and each of its
+    stage leaders streams its buckets to that replica's other feeders only (every
+    replica holds the whole model: nothing crosses replicas, and no rank relays more
+    than its own stage to its own replica's feeders); each feeder hands its engine all
+    stages' buckets in model order, so several engines are fed at once, each by a rank
+    near it. Returns the sync's statistics on the feeders (wall time includes gathering
+    and conversion), None elsewhere. Raises :class:`WeightSyncError` on a feeder whose
+    engine refuses the weights; it then keeps its previous ones.
     """
     start = time.perf_counter()
     rank = dist.get_rank()
     feeders = tuple(sorted(set(feeders)))
-    leaders, valid = _roles(actor)
-    check_feeders(feeders, valid)
-    others = [f for f in feeders if f != rank]
+    roles = _roles(actor)
+    check_feeders(feeders, roles.valid_feeders)
+    replica = roles.replica_of[rank]
+    leaders = roles.leaders[replica]
+    own_feeders = [f for f in feeders if roles.replica_of[f] == replica]
+    others = [f for f in own_feeders if f != rank]
     stats = None
     error: Optional[BaseException] = None
+
+    actor.last_sync_sent_bytes = 0  # bytes this rank sent to other feeders (tests, plan)
 
     def own_buckets() -> Iterator[WeightBucket]:
         # This stage's buckets, sent to every other feeder as they are made.
         for bucket in iter_weight_buckets(actor, bucket_bytes):
             for feeder in others:
-                _send_bucket(bucket, feeder)
+                actor.last_sync_sent_bytes += _send_bucket(bucket, feeder)
             yield bucket
         for feeder in others:
             _send_bucket(None, feeder)
@@ -274,10 +268,12 @@ def sync_weights(
             error = exc
             for _ in buckets:
                 pass
+    elif not own_feeders:
+        pass  # no engine is fed from this replica: it gathers nothing
     elif rank in leaders:
         for _ in own_buckets():
             pass
-    elif actor.runtime.dp_rank == 0:
+    else:
         for _ in iter_weight_buckets(actor, bucket_bytes):  # this stage's gathers are collective
             pass
     dist.barrier()

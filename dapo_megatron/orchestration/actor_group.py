@@ -44,6 +44,7 @@ from dapo_megatron.orchestration.placement import (
     actor_placement_group,
     choose_feeders,
     engine_kind,
+    nccl_env_like_sglang,
     rank_options,
 )
 from dapo_megatron.rollout.engine import SyncStats, WeightSyncError, with_last_flag
@@ -66,22 +67,31 @@ def _update_session(engines: list, what: str, stream) -> SyncStats:
     return stats
 
 
-def _stream_by_handle(buckets, buffers: list, engines: list, keep=None, serialize=None) -> tuple[int, int, int]:
+def _stream_by_handle(
+    buckets, buffers: list, engines: list, keep=None, serialize=None, readers_per_engine: int = 1
+) -> tuple[int, int, int]:
     """Pack each bucket into the next of ``buffers`` and hand its handle to every engine
     without waiting for the previous one (an engine works through its calls in order, so
     it never idles between buckets); wait only before reusing a buffer, for the bucket
     packed into it last; ``keep(handle)`` sees every handle; ``serialize`` (SGLang's
-    engines) also serializes each packed tensor for the engine's own workers. Returns
-    ``(bytes, tensors, buckets)`` sent."""
+    engines) also serializes each packed tensor for the engines' own workers, once for
+    each of their ``readers_per_engine`` TP workers, and each engine gets only its own
+    workers' payloads (every share is opened exactly once). Returns ``(bytes, tensors,
+    buckets)`` sent."""
     in_flight: deque = deque()
     num_bytes = num_tensors = num_buckets = 0
     for index, (bucket, last) in enumerate(with_last_flag(buckets)):
         if len(in_flight) == len(buffers):
             ray.get(in_flight.popleft())
-        handle = buffers[index % len(buffers)].pack(bucket, serialize)
+        readers = len(engines) * readers_per_engine if serialize is not None else 1
+        handle = buffers[index % len(buffers)].pack(bucket, serialize, readers)
         if keep is not None:
             keep(handle)
-        in_flight.append([engine.load_weight_bucket_handle.remote(handle, last) for engine in engines])
+        if serialize is None:
+            own = [handle] * len(engines)
+        else:
+            own = [handle.for_readers(i * readers_per_engine, readers_per_engine) for i in range(len(engines))]
+        in_flight.append([engine.load_weight_bucket_handle.remote(h, last) for engine, h in zip(engines, own)])
         num_bytes += bucket.num_bytes
         num_tensors += len(bucket.tensors)
         num_buckets += 1
@@ -93,16 +103,23 @@ def _stream_by_handle(buckets, buffers: list, engines: list, keep=None, serializ
 class _EngineFanout:
     """Looks like one engine to :func:`sync_weights`; feeds every engine by handle, in parallel."""
 
-    def __init__(self, engines: list, buffers: list, serialize=None) -> None:
+    def __init__(self, engines: list, buffers: list, serialize=None, readers_per_engine: int = 1) -> None:
         self.engines = engines
         self.buffers = buffers  # two SharedBucketBuffers, kept by the rank across syncs
         self.serialize = serialize
+        self.readers_per_engine = readers_per_engine
 
     def update_weights(self, buckets) -> SyncStats:
         start = time.perf_counter()
 
         def stream() -> SyncStats:
-            sent = _stream_by_handle(buckets, self.buffers, self.engines, serialize=self.serialize)
+            sent = _stream_by_handle(
+                buckets,
+                self.buffers,
+                self.engines,
+                serialize=self.serialize,
+                readers_per_engine=self.readers_per_engine,
+            )
             return SyncStats(time.perf_counter() - start, *sent)
 
         return _update_session(self.engines, "weight sync", stream)
@@ -184,6 +201,8 @@ class ActorRank:
             MASTER_PORT=str(master_port),
         )
         use_shareable_cpu_tensors()
+        if self.info is None and torch.cuda.is_available() and cfg.parallel.device != "cpu":
+            os.environ.update(nccl_env_like_sglang(cfg, os.environ))  # before NCCL reads it
         self.info = initialize_runtime(cfg.parallel, cfg.trainer.seed)
         self.actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, self.info)
         if self.info.is_cpu and cfg.rollout.colocate:
@@ -264,6 +283,12 @@ class ActorRank:
         dtype = next(self.actor.gpt.parameters()).dtype
         return matmul_flops_per_s(shapes, tokens, dtype, self.actor.device, repeats)
 
+    def free_cached_memory(self) -> None:
+        """Hand the CUDA caching allocator's unused blocks back to the driver (no-op on
+        the CPU), so that colocated engines resuming their memory find it free."""
+        if self.actor.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def peak_memory(self, reset: bool) -> int:
         """This rank's peak memory since the last reset (then reset it, if ``reset``)."""
         from dapo_megatron.runtime.measure import take_peak_memory
@@ -294,7 +319,7 @@ class ActorRank:
             serialize = None
             if engine_kind(self.config) == "sglang":
                 from dapo_megatron.rollout.sglang_engine import sglang_tensor_payload as serialize
-            fanout = _EngineFanout(engines, self._buffers, serialize)
+            fanout = _EngineFanout(engines, self._buffers, serialize, self.config.rollout.engine_tp_size)
         elif engines:
             if self._update_group is None:
                 self._update_group = self._host_update_group(engines, engine_ranks)
@@ -670,6 +695,11 @@ class ActorGroup:
     def peak_memory(self, reset: bool = False) -> list[int]:
         """Each rank's peak memory (bytes) since its last reset; ``reset`` starts a new one."""
         return call_all([r.peak_memory.remote(reset) for r in self.ranks], "an actor rank", self.names)
+
+    def free_cached_memory(self) -> None:
+        """Every rank returns its allocator's cached, unused GPU memory (before colocated
+        engines take theirs back)."""
+        call_all([r.free_cached_memory.remote() for r in self.ranks], "an actor rank", self.names)
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """The full model in HF names (tests of small models)."""

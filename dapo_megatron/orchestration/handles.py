@@ -25,6 +25,7 @@ ranks' shared-memory files once they are gone (:func:`remove_shared_files_of`).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from dataclasses import dataclass
@@ -89,10 +90,16 @@ class BucketHandle:
     """``(hf_name, shape, dtype, buffer_index, byte_offset)`` of each (contiguous) tensor."""
     offsets: tuple[tuple[int, ...], ...] = ()
     """The bucket's piece offsets (see :class:`WeightBucket`); empty for whole tensors."""
-    serialized: tuple[bytes, ...] = ()
-    """Each tensor serialized by the sender for an engine that maps them in processes of
-    its own (SGLang's TP workers: see ``sglang_engine.sglang_tensor_payload``); empty
-    otherwise."""
+    serialized: tuple[tuple[bytes, ...], ...] = ()
+    """Each tensor serialized by the sender for engines that map them in processes of
+    their own (SGLang's TP workers: see ``sglang_engine.sglang_tensor_payload``), once per
+    reader: ``serialized[t][r]`` is tensor ``t`` for reader ``r`` (a CUDA IPC share is
+    opened once, by one process: torch counts each share's release); empty otherwise."""
+
+    def for_readers(self, first: int, count: int) -> BucketHandle:
+        """This handle with only readers ``first .. first + count - 1``'s payloads (one
+        engine's TP workers)."""
+        return dataclasses.replace(self, serialized=tuple(p[first : first + count] for p in self.serialized))
 
     @property
     def num_bytes(self) -> int:
@@ -133,9 +140,10 @@ class SharedBucketBuffer:
             self._storage_handles[key] = tensor_handle(whole)
         return self._storage_handles[key]
 
-    def pack(self, bucket: WeightBucket, serialize=None) -> BucketHandle:
+    def pack(self, bucket: WeightBucket, serialize=None, readers: int = 1) -> BucketHandle:
         """Reference or copy ``bucket``'s tensors; return the handles and layout, and,
-        with ``serialize``, each packed tensor (a view of the buffer) serialized by it."""
+        with ``serialize``, each packed tensor (a view of the buffer) serialized by it
+        ``readers`` times, a payload for each process that will open it."""
         referenced = [
             t.device.type == "cpu" and t.is_shared() and t.is_contiguous() and self.device.type == "cpu"
             for _, t in bucket.tensors
@@ -160,14 +168,14 @@ class SharedBucketBuffer:
                     (name, tuple(tensor.shape), tensor.dtype, index_of(self._storage_handle(tensor)), byte_offset)
                 )
                 if serialize is not None:
-                    serialized.append(serialize(tensor))
+                    serialized.append(tuple(serialize(tensor) for _ in range(readers)))
                 continue
             size = tensor.nbytes
             packed = self._flat[offset : offset + size].view(tensor.dtype).view(tensor.shape)
             packed.copy_(tensor)
             layout.append((name, tuple(tensor.shape), tensor.dtype, index_of(self._handle), offset))
             if serialize is not None:
-                serialized.append(serialize(packed))
+                serialized.append(tuple(serialize(packed) for _ in range(readers)))
             offset += _aligned(size)
         return BucketHandle(tuple(buffers), tuple(layout), tuple(bucket.offsets), tuple(serialized))
 

@@ -11,7 +11,8 @@ of a second each) place through the same functions, so what the rehearsal shows 
 - Colocated GPU engines: inside the actor's placement group (Ray grants a group's GPUs
   only to tasks scheduled into it), spread evenly over its nodes, asking for no CPU or GPU
   and told their GPUs explicitly (:func:`colocated_engine_slots`).
-- Separate GPU engines: ``engine_tp_size`` GPUs of their own, outside the group.
+- Separate GPU engines: ``engine_tp_size`` GPUs of their own, outside the group, seen
+  through the ``CUDA_VISIBLE_DEVICES`` Ray sets (whatever their ids).
 - Each rank's (tp, cp, dp, pp) coordinates follow megatron-core's default rank order
   ``tp-cp-ep-dp-pp`` (:func:`rank_coordinates`).
 """
@@ -139,15 +140,15 @@ def engine_placements(config: Config, placement_group=None) -> list[tuple[dict, 
     reserve every GPU of their nodes, so an engine asking for a GPU share outside the
     group would never start. They take no CPU or GPU of the bundle (the ranks hold them)
     and are given their GPUs explicitly (:func:`colocated_engine_slots`). Separate GPU
-    engines reserve ``engine_tp_size`` GPUs of their own; CPU engines a CPU."""
+    engines reserve ``engine_tp_size`` GPUs of their own and see only those; CPU engines
+    a CPU."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     rollout = config.rollout
     if engine_kind(config) != "sglang":
         return [({"num_cpus": 1, "num_gpus": 0}, None) for _ in range(rollout.num_engines)]
-    if not rollout.colocate:
-        options = {"num_cpus": 1, "num_gpus": rollout.engine_tp_size, "runtime_env": NOSET_CUDA_VISIBLE_DEVICES}
-        return [(dict(options), None) for _ in range(rollout.num_engines)]
+    if not rollout.colocate:  # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it reserved
+        return [({"num_cpus": 1, "num_gpus": rollout.engine_tp_size}, None) for _ in range(rollout.num_engines)]
     if placement_group is None:  # no actor reserves the GPUs (evaluation): a share of one
         options = {"num_cpus": 1, "num_gpus": 0.2, "runtime_env": NOSET_CUDA_VISIBLE_DEVICES}
         return [(dict(options), None) for _ in range(rollout.num_engines)]
@@ -171,28 +172,36 @@ def engine_placements(config: Config, placement_group=None) -> list[tuple[dict, 
     ]
 
 
-def reserved_gpu_base(gpu_ids: list[int], tp_size: int) -> int:
-    """The first of the consecutive GPUs Ray reserved for a separate engine."""
-    ids = sorted(gpu_ids)
-    if not ids or ids != list(range(ids[0], ids[0] + tp_size)):
-        raise ValueError(
-            f"a separate rollout engine of engine_tp_size={tp_size} needs {tp_size} consecutive GPUs of its own; "
-            f"Ray reserved {ids}"
-        )
-    return ids[0]
-
-
 def engine_start_gpus(
     config: Config, base_gpu_id: Optional[int], reserved: list[int]
 ) -> tuple[Optional[int], list[int]]:
-    """An engine's first GPU and all its GPUs, as it starts: ``base_gpu_id`` when it was
-    given one (colocated), else, for SGLang, the first of the GPUs Ray ``reserved`` for it
-    (separate engines); none for the transformers engine."""
+    """An engine's ``base_gpu_id`` (among the devices its process sees) and its GPUs (the
+    node's ids), as it starts: colocated engines are given ``base_gpu_id`` and see every
+    GPU of the node; a separate SGLang engine sees only the GPUs Ray ``reserved`` for it
+    (any ids, consecutive or not: Ray sets ``CUDA_VISIBLE_DEVICES`` to them) and starts
+    on the first it sees; the transformers engine has none."""
     tp = config.rollout.engine_tp_size
-    if base_gpu_id is None and engine_kind(config) == "sglang":
-        base_gpu_id = reserved_gpu_base(reserved, tp)
-    gpus = list(range(base_gpu_id, base_gpu_id + tp)) if base_gpu_id is not None else []
-    return base_gpu_id, gpus
+    if base_gpu_id is not None:
+        return base_gpu_id, list(range(base_gpu_id, base_gpu_id + tp))
+    if engine_kind(config) != "sglang":
+        return None, []
+    if len(reserved) != tp:
+        raise ValueError(
+            f"a separate rollout engine of engine_tp_size={tp} needs {tp} GPUs of its own; Ray reserved {sorted(reserved)}"
+        )
+    return 0, sorted(reserved)
+
+
+def nccl_env_like_sglang(config: Config, environ) -> dict[str, str]:
+    """NCCL settings an actor rank takes on so that it matches SGLang's processes in the
+    weight-update communicator it shares with separate engines: SGLang 0.5.23
+    (``entrypoints/engine.py``, ``_set_envs_and_config``) sets ``NCCL_CUMEM_ENABLE=0`` and
+    ``NCCL_NVLS_ENABLE=0`` in its processes unless they are already set, and NCCL peers
+    of one communicator must agree on cuMem. Empty for colocated or CPU engines, and for
+    what the environment already sets (both sides then see the same value)."""
+    if config.rollout.colocate or engine_kind(config) != "sglang":
+        return {}
+    return {key: "0" for key in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE") if key not in environ}
 
 
 def choose_feeders(

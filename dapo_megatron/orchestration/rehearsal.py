@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import ray
@@ -124,7 +125,9 @@ def declared_cluster(num_nodes: int, gpus_per_node: int, cpus_per_node: int) -> 
         raise RuntimeError("the rehearsal starts its own Ray cluster: call it outside a Ray session")
     saved = {key: os.environ.get(key) for key in _RAYLET_ENV}
     os.environ.update(_RAYLET_ENV)
-    node_args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node}
+    # Workers start through a setup script that does not import Ray (see its docstring).
+    setup = str(Path(__file__).with_name("rehearsal_worker_setup.py"))
+    node_args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node, "setup_worker_path": setup}
     cluster = Cluster(
         initialize_head=True, head_node_args={**node_args, "include_dashboard": False}, shutdown_at_exit=True
     )
@@ -286,8 +289,19 @@ def placement_problems(rehearsal: Rehearsal, tp_size: int) -> list[str]:
                     f"{name} on node {engine.node} is fed by rank {engine.feeder} on node {rank_node.get(engine.feeder)}"
                     " (CUDA IPC handles work within a node only)"
                 )
-        elif on_rank_gpus:
-            problems.append(f"{name} (separate) uses GPUs {on_rank_gpus} of actor ranks on node {engine.node}")
+            if r.engine_tp_size and engine.cuda_visible_devices is not None:
+                problems.append(
+                    f"{name} (colocated) sees CUDA_VISIBLE_DEVICES={engine.cuda_visible_devices!r}, not all of its "
+                    "node's GPUs (its feeder's CUDA IPC shares name them)"
+                )
+        else:
+            if on_rank_gpus:
+                problems.append(f"{name} (separate) uses GPUs {on_rank_gpus} of actor ranks on node {engine.node}")
+            seen = ",".join(map(str, engine.gpus))
+            if r.engine_tp_size and engine.cuda_visible_devices != seen:
+                problems.append(
+                    f"{name} (separate) sees CUDA_VISIBLE_DEVICES={engine.cuda_visible_devices!r}, not its GPUs {seen!r}"
+                )
     for (node, gpu), users in sorted(engine_gpus.items()):
         if len(users) > 1:
             problems.append(f"node {node} GPU {gpu} is used by engines {users}")
@@ -302,9 +316,23 @@ def _gpu_span(gpus: list[int]) -> str:
     return f"GPU{'s' if len(gpus) > 1 else ''} {','.join(map(str, gpus))}"
 
 
-def format_rehearsal(rehearsal: Rehearsal) -> str:
-    """The per-node map and the checks' outcome, for the console."""
+def rehearsed_traffic(rehearsal: Rehearsal, stage_bytes: list[int]) -> dict[int, tuple[int, int]]:
+    """Bytes each node sends and receives over the network per weight sync, with the
+    rehearsed ranks, nodes and feeders (``stage_bytes``: each stage's weights)."""
+    from dapo_megatron.actor.sync_roles import sync_traffic
+
+    ranks = sorted(rehearsal.ranks, key=lambda p: p.rank)
+    feeders = {engine.feeder for engine in rehearsal.engines if engine.feeder is not None}
+    return sync_traffic(
+        feeders, [(p.rank, p.dp_rank, p.tp_rank, p.pp_rank) for p in ranks], [p.node for p in ranks], stage_bytes
+    )
+
+
+def format_rehearsal(rehearsal: Rehearsal, stage_bytes: Optional[list[int]] = None) -> str:
+    """The per-node map and the checks' outcome, for the console; with ``stage_bytes``
+    (each pipeline stage's weights as a sync sends them) each node's sync traffic."""
     r = rehearsal
+    traffic = rehearsed_traffic(r, stage_bytes) if stage_bytes else {}
     lines = [
         f"Placement rehearsal on a simulated cluster of {len(r.node_ids)} node(s) x {r.gpus_per_node} GPU(s)"
         f" ({r.num_nodes} for the actor{f', {len(r.node_ids) - r.num_nodes} spare' if len(r.node_ids) > r.num_nodes else ''}):"
@@ -314,7 +342,11 @@ def format_rehearsal(rehearsal: Rehearsal) -> str:
         ranks = sorted((p for p in r.ranks if p.node == node), key=lambda p: (p.gpus, p.rank))
         engines = [e for e in r.engines if e.node == node]
         role = "actor" if node < r.num_nodes else "spare"
-        lines.append(f"  node {node} ({role}; Ray node {node_id[:8]})")
+        sync = ""
+        if node in traffic:
+            sent, received = traffic[node]
+            sync = f"; weight sync sends {sent / 1e9:.1f} GB, receives {received / 1e9:.1f} GB"
+        lines.append(f"  node {node} ({role}; Ray node {node_id[:8]}{sync})")
         if ranks:
             lines.append(
                 "    ranks:   "

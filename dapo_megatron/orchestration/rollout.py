@@ -69,7 +69,7 @@ class EngineWorker:
     def start(self, base_gpu_id: Optional[int] = None) -> None:
         """Build the engine (in this process only: SGLang changes process-wide settings);
         on a GPU on ``base_gpu_id`` and the next ``engine_tp_size - 1`` devices, or, when
-        None, on the GPUs Ray reserved for this worker."""
+        None, on the GPUs Ray reserved for this worker (the only ones it sees)."""
         from dapo_megatron.rollout.sglang_engine import mark_engine_process
 
         mark_engine_process()

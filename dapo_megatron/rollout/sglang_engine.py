@@ -38,7 +38,8 @@ What SGLang 0.5.23 does, and what this wrapper does about it:
 Weight updates, two ways: colocated, each bucket goes through
 ``update_weights_from_tensor`` (the KV cache is flushed with the last bucket) as tensors
 the feeding actor rank serialized itself, with SGLang's serializer (CUDA IPC handles
-naming the GPU by UUID): one payload per engine TP rank, each wrapped in SGLang's
+naming the GPU by UUID): one payload per engine TP rank, serialized for that rank alone
+(each CUDA IPC share is opened once; torch counts its release), wrapped in SGLang's
 ``LocalSerializedTensor`` (the pattern of SGLang's ``weight_sync/utils.py``). The engine's
 own process never maps the tensors (torch refuses to send on a CUDA tensor received from
 another process; ``update_weights_from_tensor`` would have to): it passes the handles
@@ -330,18 +331,25 @@ class SGLangRolloutEngine(RolloutEngine):
     accepts_serialized = True
     """Takes buckets as tensors the sender serialized (:meth:`load_serialized_bucket`)."""
 
-    def load_serialized_bucket(self, names: list[str], payloads: list[bytes], num_bytes: int, last: bool) -> None:
+    def load_serialized_bucket(
+        self, names: list[str], payloads: list[tuple[bytes, ...]], num_bytes: int, last: bool
+    ) -> None:
         """One bucket of the open update as sender-serialized tensors
-        (:func:`sglang_tensor_payload`), handed to every TP worker of the engine as
-        SGLang's ``LocalSerializedTensor``: worker ``r`` maps ``values[r]``."""
+        (:func:`sglang_tensor_payload`), one payload of each tensor per TP worker, handed
+        over as SGLang's ``LocalSerializedTensor``: worker ``r`` maps ``values[r]``, and
+        no payload is opened twice (torch's CUDA IPC counts every share's release)."""
         from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
 
         session = self._require_session("a weight bucket arrived")
         if len(names) != len(payloads):
             raise WeightSyncError(f"a serialized bucket names {len(names)} tensors but carries {len(payloads)}")
-        named = [
-            (name, LocalSerializedTensor(values=[payload] * self.tp_size)) for name, payload in zip(names, payloads)
-        ]
+        for name, per_worker in zip(names, payloads):
+            if len(per_worker) != self.tp_size:
+                raise WeightSyncError(
+                    f"tensor {name} arrived with {len(per_worker)} serialized payload(s) for {self.tp_size} TP workers "
+                    "(one each: a share is opened once)"
+                )
+        named = [(name, LocalSerializedTensor(values=list(per_worker))) for name, per_worker in zip(names, payloads)]
         checked(
             "update_weights_from_tensor",
             self._engine.update_weights_from_tensor(named_tensors=named, load_format=None, flush_cache=last),

@@ -341,3 +341,22 @@ def sync_generate_train(workdir: str, tp_size: int, pp_size: int) -> None:
             _write_json(
                 Path(workdir, "consistency.json"), {**consistency, "num_tokens": int(batch.response_mask().sum())}
             )
+
+
+def sync_every_rank_feeds(workdir: str) -> None:
+    """tp 1 x pp 2 x dp 2: each of the 4 ranks feeds an engine of its own (as on 4 nodes).
+    Writes each engine's weights and the bytes each rank sent to other feeders."""
+    from dapo_megatron.actor.weight_sync import sync_weights
+    from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+
+    cfg = actor_config(1, 2, dp_size=2)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = _actor(cfg, info)
+        load_model_weights(actor, os.path.join(workdir, "init"))
+        engine = HFRolloutEngine.from_model_config(cfg.model)
+        sync_weights(actor, engine, bucket_bytes=SYNC_BUCKET_BYTES, feeders=(0, 1, 2, 3))
+        torch.save(engine.state_dict(), os.path.join(workdir, f"engine_of_rank_{info.rank}.pt"))
+        _write_json(
+            Path(workdir, f"sent_by_rank_{info.rank}.json"),
+            {"dp": info.dp_rank, "pp": info.pp_rank, "sent": actor.last_sync_sent_bytes},
+        )

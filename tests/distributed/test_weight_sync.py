@@ -19,10 +19,17 @@ def synced(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sync")
     launch_local(layout_worker.save_initial, 1, (str(workdir),))
     launch_local(actor_worker.sync_generate_train, 4, (str(workdir), 2, 2))
-    # The reference: the actor's weights exported by the checkpoint converter (same mapping).
-    model = actor_worker.actor_config(1, 1).model
+    for step in (1, 2):
+        _export_by_the_converter(workdir, f"actor_{step}", f"hf_{step}")
+    return workdir
+
+
+def _export_by_the_converter(workdir, checkpoint: str, out: str) -> None:
+    """The reference: a checkpoint's weights exported by the checkpoint converter (the
+    mapping the sync uses), into ``workdir / out``."""
     from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape
 
+    model = actor_worker.actor_config(1, 1).model
     config = qwen2_config_for(
         Qwen2Shape.from_model_config(model),
         rms_norm_eps=model.rms_norm_eps,
@@ -30,11 +37,7 @@ def synced(tmp_path_factory):
         max_position_embeddings=model.max_position_embeddings,
     )
     config.save_pretrained(workdir / "hf_config")
-    for step in (1, 2):
-        megatron_to_hf(
-            workdir / f"actor_{step}", workdir / "hf_config", workdir / f"hf_{step}", verify=False, progress=False
-        )
-    return workdir
+    megatron_to_hf(workdir / checkpoint, workdir / "hf_config", workdir / out, verify=False, progress=False)
 
 
 @pytest.mark.timeout(600)
@@ -74,3 +77,25 @@ def test_engine_sampling_log_probs_agree_with_the_actor(synced):
     consistency = json.loads((synced / "consistency.json").read_text())
     assert consistency["num_tokens"] == 6 * 10  # 3 prompts x 2 samples x 10 tokens, no stop token
     assert consistency["logprob_diff_max"] < 1e-4, consistency
+
+
+@pytest.mark.timeout(600)
+def test_each_replica_feeds_its_own_engines_and_no_rank_relays_more_than_its_stage(tmp_path):
+    """2 replicas x 2 stages, 4 engines, one per rank: every engine gets exactly the
+    model, and each rank sends its own stage once, to its replica's other feeder; nothing
+    crosses replicas (the first replica's leaders used to send their stage to all 3)."""
+    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+    launch_local(actor_worker.sync_every_rank_feeds, 4, (str(tmp_path),))
+    engines = [torch.load(tmp_path / f"engine_of_rank_{rank}.pt") for rank in range(4)]
+    _export_by_the_converter(tmp_path, "init", "hf_init")
+    expected = load_file(str(tmp_path / "hf_init" / "model.safetensors"))
+    for weights in engines:
+        assert set(weights) == set(expected)
+        assert all(torch.equal(weights[name], expected[name]) for name in expected)
+    total = sum(t.nbytes for t in expected.values())
+    sent = [json.loads((tmp_path / f"sent_by_rank_{rank}.json").read_text()) for rank in range(4)]
+    by_place = {(s["dp"], s["pp"]): s["sent"] for s in sent}
+    for dp in (0, 1):
+        assert by_place[(dp, 0)] > 0 and by_place[(dp, 1)] > 0
+        assert by_place[(dp, 0)] + by_place[(dp, 1)] == total  # each stage sent once, within the replica
+    assert by_place[(0, 0)] == by_place[(1, 0)] and by_place[(0, 1)] == by_place[(1, 1)]

@@ -16,7 +16,7 @@ from dapo_megatron.orchestration.calls import MemberFailed
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "qwen2_5_32b" / "dapo.yaml"
-FITS = "rollout.gpu_memory_utilization=0.5"  # the plan's memory check, at 2 nodes instead of 16
+FITS = "rollout.gpu_memory_utilization=0.4"  # the plan's memory check, at 2 nodes instead of 16
 
 
 def _rehearse_cli(*overrides: str) -> subprocess.CompletedProcess:

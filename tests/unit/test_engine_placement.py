@@ -4,11 +4,12 @@ instance that declares GPUs."""
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import ray
 
-from dapo_megatron.orchestration.placement import engine_gpu_bases, reserved_gpu_base
+from dapo_megatron.orchestration.placement import engine_gpu_bases, engine_start_gpus
 
 
 def test_colocated_engines_take_consecutive_slots_per_node():
@@ -19,12 +20,37 @@ def test_colocated_engines_take_consecutive_slots_per_node():
         engine_gpu_bases(["a", "a", "a"], 2, 4)
 
 
-def test_separate_engines_use_the_consecutive_gpus_ray_reserved():
-    assert reserved_gpu_base([5, 4], 2) == 4
-    with pytest.raises(ValueError, match=r"needs 2 consecutive GPUs of its own; Ray reserved \[1, 3\]"):
-        reserved_gpu_base([3, 1], 2)
-    with pytest.raises(ValueError, match="reserved"):
-        reserved_gpu_base([], 1)
+def _engines_config(**rollout):
+    """What the placement functions read of a config: its rollout and parallel sections."""
+    from dapo_megatron.config import ParallelConfig, RolloutConfig
+
+    return types.SimpleNamespace(rollout=RolloutConfig(**rollout), parallel=ParallelConfig(device="cuda"))
+
+
+def test_separate_engines_start_on_the_gpus_ray_reserved_whatever_their_ids():
+    def config(colocate: bool, engine: str = "sglang"):
+        return _engines_config(engine=engine, engine_tp_size=4, colocate=colocate)
+
+    # Ray sets CUDA_VISIBLE_DEVICES to the reserved ids: SGLang starts on the first it sees.
+    assert engine_start_gpus(config(False), None, [7, 1, 5, 3]) == (0, [1, 3, 5, 7])
+    assert engine_start_gpus(config(False), None, [4, 5, 6, 7]) == (0, [4, 5, 6, 7])
+    with pytest.raises(ValueError, match=r"needs 4 GPUs of its own; Ray reserved \[1, 3\]"):
+        engine_start_gpus(config(False), None, [3, 1])
+    # Colocated: given a first GPU among all the node's; the transformers engine: none.
+    assert engine_start_gpus(config(True), 4, []) == (4, [4, 5, 6, 7])
+    assert engine_start_gpus(config(True, "hf"), None, []) == (None, [])
+
+
+def test_actor_ranks_take_on_sglangs_nccl_settings_only_beside_separate_engines():
+    from dapo_megatron.orchestration.placement import nccl_env_like_sglang
+
+    def config(colocate: bool):
+        return _engines_config(engine="sglang", colocate=colocate)
+
+    assert nccl_env_like_sglang(config(False), {}) == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+    # A value the job sets reaches SGLang's processes too, which keep it: so do the ranks.
+    assert nccl_env_like_sglang(config(False), {"NCCL_CUMEM_ENABLE": "1"}) == {"NCCL_NVLS_ENABLE": "0"}
+    assert nccl_env_like_sglang(config(True), {}) == {}
 
 
 def test_each_engine_is_fed_from_its_own_gpus_else_its_node():

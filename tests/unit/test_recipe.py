@@ -84,12 +84,20 @@ def test_plan_counts_parameters_exactly_and_matches_a_hand_computation():
     # bias, whole (gathered over tp), bf16, for the stage's 32 layers: 2.19 GiB.
     export = 32 * (40 + 2 * 8) * 128 * (5120 + 1) * 2
     assert mem.sync_export == export and 2.1 * GIB < export < 2.3 * GIB
+    # The feeder (one per node: the stage leader) keeps two 512 MiB staging buffers, and the
+    # node's 2 engines x 4 TP workers each open a CUDA context (0.5 GiB) on its GPU.
+    assert mem.sync_staging == 2 * 512 * 2**20 and mem.engine_contexts == 2 * 4 * GIB // 2
+    sync = export + GIB + 4 * GIB
     assert (
         mem.train_phase
-        == 2 * last_stage + 4 * last_stage + 12 * last_stage // 8 + mem.activations + mem.logprob + export + 3 * GIB
+        == 2 * last_stage + 4 * last_stage + 12 * last_stage // 8 + mem.activations + mem.logprob + sync + 3 * GIB
     )
-    assert mem.rollout_phase == 6 * last_stage + 12 * last_stage // 8 + int(0.6 * 80 * GIB) + export + 3 * GIB
-    assert 21 * GIB < mem.train_phase < 23 * GIB and 66 * GIB < mem.rollout_phase < 69 * GIB
+    assert mem.rollout_phase == 6 * last_stage + 12 * last_stage // 8 + int(0.6 * 80 * GIB) + sync + 3 * GIB
+    assert 26 * GIB < mem.train_phase < 28 * GIB and 71 * GIB < mem.rollout_phase < 74 * GIB
+    # While the engines hold 0.6 of the GPU, the actor keeps what it needs within the rest.
+    assert mem.actor_allowance == 80 * GIB - int(0.6 * 80 * GIB) > mem.rollout_phase - mem.sglang
+    # A checkpoint save gathers a rank's fp32 main weights and Adam moments in host memory.
+    assert mem.checkpoint_host == 12 * last_stage
 
 
 @pytest.mark.parametrize(
@@ -97,11 +105,11 @@ def test_plan_counts_parameters_exactly_and_matches_a_hand_computation():
     [
         (
             ["rollout.gpu_memory_utilization=0.9"],
-            "rollout phase needs 91.5 GiB per GPU > parallel.gpu_memory_gb=80",
-            "rollout.gpu_memory_utilization=0.7",
+            "rollout phase needs 96.5 GiB per GPU > parallel.gpu_memory_gb=80",
+            "rollout.gpu_memory_utilization=0.6",
         ),
         (
-            ["parallel.num_nodes=4"] + ["rollout.num_engines=32"],
+            ["parallel.num_nodes=4", "rollout.num_engines=32", "rollout.gpu_memory_utilization=0.5"],
             "colocated engines must cover the actor's GPUs",
             "rollout.num_engines=8",
         ),
@@ -267,7 +275,7 @@ def _dry_run(script, *args, **env):
 
 
 def test_train_dry_run_for_a_two_node_allocation():
-    result = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.5")
+    result = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.4")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     head = [line for line in lines if "ray start --head" in line]
@@ -281,16 +289,16 @@ def test_train_dry_run_for_a_two_node_allocation():
         "parallel.num_nodes=2",
         "rollout.num_engines=4",
         "checkpoint.load_dir=/runs/dapo/qwen2_5_32b_mcore",
-        "rollout.gpu_memory_utilization=0.5",
+        "rollout.gpu_memory_utilization=0.4",
         "ray.address=gpu-007:6379",
     ):
         assert expected in train[0]
     plan = [line for line in lines if "dapo-megatron plan" in line]
     assert len(plan) == 1 and lines.index(plan[0]) < lines.index(head[0])
     # Placement rehearsed before Ray starts, on the head node (inside the container, if any).
-    assert plan[0].endswith(" --rehearse") and "-w gpu-007" in plan[0]
+    assert plan[0].endswith(" --rehearse --spare-nodes 0") and "-w gpu-007" in plan[0]
     assert f"plan {SCRIPTS / 'dapo.yaml'} " in plan[0]
-    skipped = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.5", REHEARSE="0")
+    skipped = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.4", REHEARSE="0")
     assert "--rehearse" not in next(line for line in skipped.stdout.splitlines() if "dapo-megatron plan" in line)
     # The layout the dry run would launch is one `plan` accepts (with the shipped model config).
     overrides = train[0].split("dapo.yaml ", 1)[1].replace("\\[", "[").replace("\\]", "]").split()
@@ -298,6 +306,31 @@ def test_train_dry_run_for_a_two_node_allocation():
     assert make_plan(load_config(RECIPE, overrides)).fits
     # A fresh run: no --resume; the trainer runs in the background so signals reach it.
     assert "--resume" not in train[0] and "scontrol requeue" not in result.stdout
+
+
+def test_spare_nodes_hold_separate_engines():
+    """ENGINE_NODES=1 of a 3-node allocation: 2 actor nodes, Ray on all 3, 2 separate
+    engines of TP 4 on the third node's 8 GPUs, rehearsed with that spare node."""
+    result = _dry_run(
+        "train.sbatch",
+        "rollout.gpu_memory_utilization=0.4",
+        SLURM_JOB_NODELIST="gpu-[007-009]",
+        SLURM_NNODES="3",
+        ENGINE_NODES="1",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line for line in lines if "ray start --address=gpu-007:6379" in line][-1].count("-w gpu-009") == 1
+    train = next(line for line in lines if "dapo-megatron train" in line)
+    for expected in ("parallel.num_nodes=2", "rollout.colocate=false", "rollout.num_engines=2"):
+        assert expected in train
+    plan = next(line for line in lines if "dapo-megatron plan" in line)
+    assert plan.endswith("--rehearse --spare-nodes 1")
+    assert "get('GPU', 0) >= 24" in next(line for line in lines if "ray.cluster_resources" in line).replace("\\", "")
+    too_few = _dry_run(
+        "train.sbatch", SLURM_JOB_NODELIST="gpu-[007-008]", SLURM_NNODES="2", NUM_NODES="2", ENGINE_NODES="1"
+    )
+    assert too_few.returncode == 2 and "but the allocation has 2 nodes" in too_few.stderr
 
 
 def test_a_requeued_job_resumes_the_run_it_finds(tmp_path):

@@ -20,7 +20,8 @@ def _good_map(colocate: bool = True) -> Rehearsal:
     if colocate:
         engines = [EnginePlace(0, 0, [0, 1, 2, 3], 0, None, 0), EnginePlace(1, 1, [0, 1, 2, 3], 0, None, 4)]
     else:
-        engines = [EnginePlace(0, 2, [0, 1, 2, 3], 0, None, 0), EnginePlace(1, 3, [0, 1, 2, 3], 0, None, 0)]
+        # Ray sets a separate engine's CUDA_VISIBLE_DEVICES to the GPUs it reserved.
+        engines = [EnginePlace(0, 2, [0, 1, 2, 3], 0, "0,1,2,3", 0), EnginePlace(1, 3, [0, 1, 2, 3], 0, "0,1,2,3", 0)]
     nodes = [f"n{i}" for i in range(2 if colocate else 4)]
     return Rehearsal(2, 4, colocate, 4, nodes, ranks, engines)
 
@@ -97,5 +98,33 @@ def test_separate_engines_add_no_memory_to_the_actors_gpus():
     layout = ["parallel.num_nodes=2", "rollout.num_engines=4", "rollout.gpu_memory_utilization=0.5"]
     colocated = estimate_memory(load_config(RECIPE, layout))
     separate = estimate_memory(load_config(RECIPE, [*layout, "rollout.colocate=false"]))
-    assert colocated.rollout_phase - separate.rollout_phase == colocated.sglang > 0
-    assert separate.train_phase == colocated.train_phase
+    # Separate engines: no SGLang share, staging buffers or workers' contexts on the actor's
+    # GPUs; rank 0 keeps the weight-update communicator instead.
+    assert colocated.sglang > 0 and separate.update_group > 0
+    on_colocated = colocated.sglang + colocated.sync_staging + colocated.engine_contexts
+    assert separate.rollout_phase - separate.update_group == colocated.rollout_phase - on_colocated
+    assert separate.train_phase - separate.update_group == colocated.train_phase - on_colocated + colocated.sglang
+
+
+def test_the_rehearsals_worker_setup_starts_the_worker_as_rays_would():
+    """Ray's setup script applies the runtime env's variables (``${X}`` expanded, unknown
+    ones empty) and execs the worker with the remaining arguments; the rehearsal's does the
+    same without importing Ray, and refuses what it does not handle."""
+    from dapo_megatron.orchestration.rehearsal_worker_setup import worker_command
+
+    context = '{"env_vars": {"A": "1", "B": "${HOME}/x", "C": "${NOPE_NOT_SET}y"}, "py_executable": "/py"}'
+    argv = [
+        "-s",
+        "/ray/default_worker.py",
+        "--node-ip-address=1.2.3.4",
+        f"--serialized-runtime-env-context={context}",
+        "--language=PYTHON",
+        "--startup-token=7",
+    ]
+    command, env = worker_command(argv, {"HOME": "/home/u"})
+    assert command == ["/py", "-s", "/ray/default_worker.py", "--node-ip-address=1.2.3.4", "--startup-token=7"]
+    assert env["A"] == "1" and env["C"] == "y" and env["B"].endswith("/x")
+    with pytest.raises(SystemExit, match="plain Python workers only"):
+        worker_command(["w.py", "--language", "JAVA"], {})
+    with pytest.raises(SystemExit, match="plain Python workers only"):
+        worker_command(["w.py", '--serialized-runtime-env-context={"command_prefix": ["conda", "run"]}'], {})

@@ -292,7 +292,8 @@ def test_engine_changes_process_wide_settings():
 
 def test_gpu_extra_pins_what_the_wrapper_and_megatron_were_checked_against():
     """setup.py's gpu extra: sglang at the supported release, the torch that release
-    pins, and Transformer Engine in the range megatron-core's own dev extra tests."""
+    pins, the megatron-core this suite tests, and Transformer Engine in the range
+    megatron-core's own dev extra tests."""
     import importlib.metadata
     import re
 
@@ -313,6 +314,8 @@ def test_gpu_extra_pins_what_the_wrapper_and_megatron_were_checked_against():
         if r.startswith("transformer-engine") and 'extra == "dev"' in r
     )
     assert f"sglang=={SUPPORTED_SGLANG}" in gpu and sglang_torch in gpu
+    # The megatron-core the CPU suite runs, on the GPU too (Python 3.12 would take a newer one).
+    assert f"megatron-core=={importlib.metadata.version('megatron-core')}" in gpu
     te = Requirement(next(g for g in gpu if g.startswith("transformer-engine")))
     assert te.specifier == Requirement(megatron_te).specifier and "pytorch" in te.extras, (te, megatron_te)
 

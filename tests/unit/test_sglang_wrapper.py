@@ -250,8 +250,8 @@ def test_colocated_buckets_reach_every_tp_worker_as_the_senders_serialized_tenso
     engine._engine.update_weights_from_tensor = update_weights_from_tensor
     sent = {"q": torch.randn(3, 4), "b": torch.arange(5.0)}
     buffer = SharedBucketBuffer(torch.device("cpu"))
-    handle = buffer.pack(WeightBucket(list(sent.items())), tensor_handle)
-    assert len(handle.serialized) == 2
+    handle = buffer.pack(WeightBucket(list(sent.items())), tensor_handle, readers=2)
+    assert len(handle.serialized) == 2 and all(len(payloads) == 2 for payloads in handle.serialized)
     engine.begin_weight_update()
     engine.load_serialized_bucket([n for n, *_ in handle.layout], list(handle.serialized), handle.num_bytes, True)
     stats = engine.end_weight_update()
@@ -261,4 +261,59 @@ def test_colocated_buckets_reach_every_tp_worker_as_the_senders_serialized_tenso
     with pytest.raises(WeightSyncError, match="names 1 tensors but carries 2"):
         engine.begin_weight_update()
         engine.load_serialized_bucket(["q"], list(handle.serialized), 0, True)
+    engine.abort_weight_update()
+    # One payload shared by both TP workers (a share opened twice) is refused.
+    with pytest.raises(WeightSyncError, match=r"tensor q arrived with 1 serialized payload\(s\) for 2 TP workers"):
+        engine.begin_weight_update()
+        engine.load_serialized_bucket(["q", "b"], [p[:1] for p in handle.serialized], 0, True)
     buffer.close()
+
+
+def test_every_cuda_ipc_share_is_opened_by_exactly_one_tp_worker(monkeypatch):
+    """A feeder rank streams 3 buckets by handle to 2 engines of TP 4: every payload it
+    serializes (a share) is opened once, by one TP worker of one engine, and every worker
+    gets every tensor. Stand-in readers take the engine worker's path."""
+    from dapo_megatron.orchestration import actor_group
+    from dapo_megatron.orchestration.handles import SharedBucketBuffer
+
+    shares: list[bytes] = []
+
+    def serialize(tensor):  # one new share per call, as torch's CUDA IPC reduction makes
+        shares.append(f"share {len(shares)}".encode())
+        return shares[-1]
+
+    opened: list[tuple[int, int, str, bytes]] = []
+
+    class Reader:
+        """An engine: its TP worker r opens values[r] of each tensor (SGLang's unwrap)."""
+
+        def __init__(self, index, tp):
+            self.index, self.tp = index, tp
+            outer = self
+
+            class _Call:
+                @staticmethod
+                def remote(handle, last):
+                    names = [name for name, *_ in handle.layout]
+                    for name, per_worker in zip(names, handle.serialized):
+                        assert len(per_worker) == outer.tp
+                        for rank in range(outer.tp):
+                            opened.append((outer.index, rank, name, per_worker[rank]))
+                    return None
+
+            self.load_weight_bucket_handle = _Call()
+
+    monkeypatch.setattr(actor_group, "ray", types.SimpleNamespace(get=lambda refs: refs))
+    buckets = [WeightBucket([(f"t{b}.{i}", torch.randn(4)) for i in range(2)]) for b in range(3)]
+    buffers = [SharedBucketBuffer(torch.device("cpu")) for _ in range(2)]
+    engines = [Reader(0, 4), Reader(1, 4)]
+    sent = actor_group._stream_by_handle(iter(buckets), buffers, engines, serialize=serialize, readers_per_engine=4)
+    assert sent[1:] == (6, 3)
+    assert len(shares) == 6 * 2 * 4  # tensors x engines x TP workers: no share nobody opens
+    assert sorted(payload for *_, payload in opened) == sorted(shares)  # each opened exactly once
+    for engine_index in range(2):
+        for rank in range(4):
+            names = [name for e, r, name, _ in opened if (e, r) == (engine_index, rank)]
+            assert names == [f"t{b}.{i}" for b in range(3) for i in range(2)]
+    for buffer in buffers:
+        buffer.close()
