@@ -493,20 +493,19 @@ class ActorGroup:
                 raise
         self._rank_places_cache: Optional[list[tuple[str, list[int]]]] = None
         self._engine_places: dict[tuple, list[tuple[str, list[int]]]] = {}
-        placed = {
-            "members": [self.ranks[0]],
-            "asked": "1 CPU" + (", 1 GPU" if on_gpu else "") + " of its node's bundle",
-        }
-        master_addr, master_port = call_all(
-            [self.ranks[0].rendezvous_address.remote()],
+        self.names = [f"actor rank {rank}" for rank in range(self.world_size)]
+        # Every rank started, boundedly (a rank Ray cannot place is named, not waited for).
+        call_all(
+            [r.node_id.remote() for r in self.ranks],
             "an actor rank",
-            ["actor rank 0"],
+            self.names,
+            members=self.ranks,
+            asked="1 CPU" + (", 1 GPU" if on_gpu else "") + " of its node's bundle",
             schedule_timeout_s=schedule_timeout_s,
-            **placed,
-        )[0]
+        )
+        master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
         separate = separate_cpu_cores(config)  # ranks on cores of their own (async generation)
         rank_cores = separate[0] if separate else [None] * self.world_size
-        self.names = [f"actor rank {rank}" for rank in range(self.world_size)]
         self.infos = call_all(
             [
                 r.setup.remote(rank, self.world_size, master_addr, master_port, rank_cores[rank])
@@ -514,8 +513,6 @@ class ActorGroup:
             ],
             "an actor rank",
             self.names,
-            schedule_timeout_s=schedule_timeout_s,
-            **{**placed, "members": self.ranks},
         )
         self.names = [
             f"actor rank {i['rank']} (tp {i['tp_rank']}, pp {i['pp_rank']}, dp {i['dp_rank']}; pid {i['pid']})"

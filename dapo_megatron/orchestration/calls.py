@@ -45,20 +45,29 @@ def call_all(
     and its own exception, or how its process died. With ``members`` (the actor of each
     ref), a member still waiting for Ray to place it after ``schedule_timeout_s``
     (default :data:`SCHEDULE_TIMEOUT_S`) fails the call as "not started", with
-    ``asked`` (what it asks for) and what the cluster has free.
+    ``asked`` (what it asks for) and what the cluster has free; the wait goes on while
+    members keep starting, and fails once none has for ``schedule_timeout_s``.
     """
     position = {ref: index for index, ref in enumerate(refs)}
     results: list = [None] * len(refs)
     pending = list(refs)
     limit = SCHEDULE_TIMEOUT_S if schedule_timeout_s is None else schedule_timeout_s
-    deadline = time.monotonic() + limit if members is not None else None
+    start = time.monotonic()
+    deadline = start + limit if members is not None else None
+    not_started = len(refs)
     while pending:
         wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
         done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
         if not done:
             waiting = [(names[position[ref]] if names else what, members[position[ref]]) for ref in pending]
-            _refuse_unscheduled(waiting, len(refs), what, asked, limit)
-            deadline = None  # every member has started: wait for their work as before
+            unplaced = _unscheduled(waiting)
+            if not unplaced:
+                deadline = None  # every member has started: wait for their work as before
+            elif len(unplaced) < not_started:
+                # Members are still starting (many processes on few cores): wait while any does.
+                not_started, deadline = len(unplaced), time.monotonic() + limit
+            else:
+                raise _not_started(unplaced, len(refs), what, asked, time.monotonic() - start, limit)
             continue
         for ref in done:
             results[position[ref]], failure = _outcome(ref, names[position[ref]] if names else what)
@@ -77,16 +86,17 @@ def call_all(
 
 
 SCHEDULE_TIMEOUT_S = 120.0
-"""How long a group's start waits for Ray to place each member before naming those it
-has not (a member that was placed may take longer: its own work is not bounded here)."""
+"""How long a group's start waits, with no member starting, for Ray to place the members
+it has not started before naming them (a start that keeps making progress, many
+processes on few cores, goes on; a member that was placed may take longer: its own work
+is not bounded here)."""
 
 _NOT_STARTED = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
 
 
-def _refuse_unscheduled(waiting: list[tuple[str, Any]], total: int, what: str, asked: str, waited_s: float) -> None:
-    """Raise :class:`MemberFailed` naming the members of ``waiting`` (name, actor) that
-    Ray has not started: no node has their resources free, or (rarely, after minutes)
-    their worker process has still not come up."""
+def _unscheduled(waiting: list[tuple[str, Any]]) -> list[str]:
+    """The names of the members of ``waiting`` (name, actor) that Ray has not started:
+    no node has their resources free, or their worker process has not come up yet."""
     from ray._private import state
 
     unplaced = []
@@ -94,12 +104,18 @@ def _refuse_unscheduled(waiting: list[tuple[str, Any]], total: int, what: str, a
         entry = state.actors(actor_id=actor._actor_id.hex())
         if entry and entry.get("State") in _NOT_STARTED:
             unplaced.append(name)
-    if not unplaced:
-        return
+    return unplaced
+
+
+def _not_started(
+    unplaced: list[str], total: int, what: str, asked: str, waited_s: float, quiet_s: float
+) -> MemberFailed:
+    """The error naming members Ray has not started, none of them for ``quiet_s``."""
     free, total_resources = ray.available_resources(), ray.cluster_resources()
     have = ", ".join(f"{free.get(k, 0.0):g} {k} free of {total_resources.get(k, 0.0):g}" for k in ("CPU", "GPU"))
-    raise MemberFailed(
-        f"{len(unplaced)} of {total} {what}(s) not started after {waited_s:.0f} s ({', '.join(unplaced[:4])}"
+    quiet = "" if waited_s < quiet_s + 1 else f", none of them in the last {quiet_s:.0f} s"
+    return MemberFailed(
+        f"{len(unplaced)} of {total} {what}(s) not started after {waited_s:.0f} s{quiet} ({', '.join(unplaced[:4])}"
         f"{', ...' if len(unplaced) > 4 else ''}): Ray has not started them (nothing free that they ask for, "
         "or their processes are still starting)"
         f"{f' (each asks for {asked})' if asked else ''}; the cluster has {have} on "

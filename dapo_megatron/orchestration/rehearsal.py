@@ -14,8 +14,8 @@ rehearsal *executes* the placement instead, in seconds and without a GPU:
   report where Ray put them;
 - the resulting per-node map is checked (:func:`placement_problems`) and printed.
 
-What cannot be placed fails within :data:`REHEARSAL_SCHEDULE_TIMEOUT_S`, named with what it
-asked for and what the cluster has.
+What cannot be placed fails once nothing has started for :func:`schedule_bound_s`
+(60 s, more for many stand-ins), named with what it asked for and what the cluster has.
 """
 
 from __future__ import annotations
@@ -38,8 +38,20 @@ from dapo_megatron.orchestration.placement import actor_on_gpu, engine_kind
 logger = logging.getLogger(__name__)
 
 REHEARSAL_SCHEDULE_TIMEOUT_S = 60.0
-"""How long the rehearsal waits for Ray to start a stand-in once it asked for it: on the
-simulated cluster every process is local, so a member not started by then cannot be."""
+"""How long the rehearsal waits, with no stand-in starting, before naming those Ray has
+not started (at least; see :func:`schedule_bound_s`)."""
+
+SECONDS_PER_STAND_IN = 1.5
+"""Allowance per stand-in process for that bound: on the simulated cluster every process
+starts on this machine (the 32B recipe's 160 on a 2-core VM: none had started after
+140 s, then about 3 a second)."""
+
+
+def schedule_bound_s(config: Config) -> float:
+    """The rehearsal's bound on a start with no progress, for ``config``'s ranks and engines."""
+    members = config.parallel.world_size + config.rollout.num_engines
+    return max(REHEARSAL_SCHEDULE_TIMEOUT_S, SECONDS_PER_STAND_IN * members)
+
 
 _RAYLET_ENV = {
     # No idle workers prestarted per declared CPU (16 nodes x 32 CPUs would start 512).
@@ -152,11 +164,12 @@ def rehearse(
     config: Config,
     cpus_per_node: int = 32,
     spare_nodes: Optional[int] = None,
-    schedule_timeout_s: float = REHEARSAL_SCHEDULE_TIMEOUT_S,
+    schedule_timeout_s: Optional[float] = None,
 ) -> Rehearsal:
     """Place ``config``'s job on a simulated cluster (see the module docstring) and check
-    the map; ``spare_nodes`` for separate engines defaults to :func:`spare_nodes_needed`.
-    Raises what ``train`` would raise when something cannot be placed."""
+    the map; ``spare_nodes`` for separate engines defaults to :func:`spare_nodes_needed`;
+    ``schedule_timeout_s`` to :func:`schedule_bound_s`. Raises what ``train`` would raise
+    when something cannot be placed."""
     from dapo_megatron.actor.weight_sync import check_feeders
     from dapo_megatron.orchestration.actor_group import ActorGroup
     from dapo_megatron.orchestration.rollout import RolloutWorkers
@@ -164,6 +177,8 @@ def rehearse(
 
     config = rehearsal_config(config)
     parallel = config.parallel
+    if schedule_timeout_s is None:
+        schedule_timeout_s = schedule_bound_s(config)
     on_gpu = actor_on_gpu(parallel)
     spare = spare_nodes_needed(config) if spare_nodes is None else spare_nodes
     cpus = max(cpus_per_node, parallel.num_devices_per_node)
