@@ -46,9 +46,12 @@ def test_the_recipes_node_layout_places_two_tp4_engines_on_each_node_fed_from_it
     assert sorted(blocks) == [0, 1]
     for node, block in blocks.items():
         leader = 8 * node  # pp stage `node`'s tensor-parallel rank 0
-        for gpu in range(8):
-            rank = 8 * node + gpu
-            assert f"GPU{gpu}: r{rank} (tp{gpu} pp{node} dp0)" in block
+        # Ray hands a bundle's GPUs out in the order the ranks' leases arrive: any GPU, one each.
+        places = re.findall(r"GPU(\d): r(\d+) \(tp(\d+) pp(\d+) dp(\d+)\)", block)
+        assert sorted(int(gpu) for gpu, *_ in places) == list(range(8))
+        assert sorted((int(r), int(tp), int(pp), int(dp)) for _, r, tp, pp, dp in places) == [
+            (8 * node + tp, tp, node, 0) for tp in range(8)
+        ]
         assert f"engine {2 * node}: GPUs 0-3 (base_gpu_id 0), sees all of the node's, fed by rank {leader}" in block
         assert f"engine {2 * node + 1}: GPUs 4-7 (base_gpu_id 4), sees all of the node's, fed by rank {leader}" in block
     assert "Placement checks passed" in out
