@@ -118,12 +118,18 @@ def stage_parameters_per_gpu(config: Config) -> list[int]:
     return per_stage
 
 
+def parameter_bytes(config: Config) -> int:
+    """Bytes per parameter: fp32 when asked for, or on the CPU with ``auto``; else bf16."""
+    m = config.model
+    return 4 if m.params_dtype == "float32" or (config.parallel.device == "cpu" and m.params_dtype == "auto") else 2
+
+
 def stage_sync_bytes(config: Config) -> list[int]:
     """Bytes of each pipeline stage's weights as a weight sync sends them: HF tensors
     (vocabulary unpadded, the output layer only when untied) in the parameters' dtype."""
     m, p = config.model, config.parallel
     sharded, replicated = layer_parameters(config)
-    param_bytes = 4 if m.params_dtype == "float32" or (p.device == "cpu" and m.params_dtype == "auto") else 2
+    param_bytes = parameter_bytes(config)
     vocab = m.vocab_size * m.hidden_size
     split = pipeline_layer_split(m.num_layers, p)
     stages = []
@@ -250,6 +256,8 @@ class MemoryEstimate:
     checkpoint_host: int = 0
     """Host memory a data-parallel rank 0 holds while saving a checkpoint: its shard's
     fp32 main weights and Adam moments, gathered from its data-parallel peers."""
+    gpu: int = 0
+    """The GPU's memory (``parallel.gpu_memory_gb``)."""
 
     @property
     def sync_resident(self) -> int:
@@ -292,9 +300,6 @@ class MemoryEstimate:
     def actor_allowance(self) -> int:
         """What SGLang leaves the colocated actor: the GPU minus its static fraction."""
         return self.gpu - self.sglang
-
-    gpu: int = 0
-    """The GPU's memory (``parallel.gpu_memory_gb``)."""
 
     @property
     def sglang_weights_fit(self) -> bool:
@@ -341,7 +346,7 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     dp = data_parallel_size(p)
     params = max(stage_parameters_per_gpu(config))
     on_cpu = p.device == "cpu"
-    param_bytes = 4 if m.params_dtype == "float32" or (on_cpu and m.params_dtype == "auto") else 2
+    param_bytes = parameter_bytes(config)
     # The activation formula counts 2-byte activations; fp32 runs hold twice that.
     activation_scale = param_bytes / 2
     layers = max(pipeline_layer_split(m.num_layers, p))

@@ -80,10 +80,10 @@ def _stream_by_handle(
     buckets)`` sent."""
     in_flight: deque = deque()
     num_bytes = num_tensors = num_buckets = 0
+    readers = len(engines) * readers_per_engine if serialize is not None else 1
     for index, (bucket, last) in enumerate(with_last_flag(buckets)):
         if len(in_flight) == len(buffers):
             ray.get(in_flight.popleft())
-        readers = len(engines) * readers_per_engine if serialize is not None else 1
         handle = buffers[index % len(buffers)].pack(bucket, serialize, readers)
         if keep is not None:
             keep(handle)
@@ -201,7 +201,7 @@ class ActorRank:
             MASTER_PORT=str(master_port),
         )
         use_shareable_cpu_tensors()
-        if self.info is None and torch.cuda.is_available() and cfg.parallel.device != "cpu":
+        if torch.cuda.is_available() and cfg.parallel.device != "cpu":
             os.environ.update(nccl_env_like_sglang(cfg, os.environ))  # before NCCL reads it
         self.info = initialize_runtime(cfg.parallel, cfg.trainer.seed)
         self.actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, self.info)
@@ -460,8 +460,8 @@ class ActorGroup:
         waiting for them (the engines' processes then start alongside instead of after
         them, colocated GPU engines inside the group's :attr:`placement_group`).
         ``rank_actor``: the Ray actor class of a rank (:class:`ActorRank`; the placement
-        rehearsal's stand-ins). A rank Ray has not started after ``schedule_timeout_s``
-        (default :data:`SCHEDULE_TIMEOUT_S`) fails the start, named."""
+        rehearsal's stand-ins). Ranks Ray has not started fail the start, named, once none
+        has started for ``schedule_timeout_s`` (default :data:`SCHEDULE_TIMEOUT_S`)."""
         self.config = config
         parallel = config.parallel
         self.world_size = parallel.world_size
