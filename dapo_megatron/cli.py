@@ -216,7 +216,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     to_megatron = directions.add_parser(
         "hf-to-megatron",
         help="HF safetensors -> Megatron dist checkpoint (loads at any tp/pp layout)",
-        description="Convert a Hugging Face Qwen2/Qwen2.5 checkpoint into a megatron-core torch_dist checkpoint.",
+        description="Convert a Hugging Face checkpoint (Qwen2/Qwen2.5, Qwen3) into a megatron-core torch_dist checkpoint.",
     )
     to_megatron.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")
     to_megatron.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
@@ -243,7 +243,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
             dest="verify",
             action="store_true",
             default=None,
-            help="compare logits with transformers' Qwen2 (default: on up to 2 GiB)",
+            help="compare logits with transformers' own model (default: on up to 2 GiB)",
         )
         verify.add_argument("--no-verify", dest="verify", action="store_false", help="skip the logit comparison")
         sub.add_argument("--quiet", action="store_true", help="print the final summary line only")
@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser(
         "convert",
         help="convert checkpoints between Hugging Face and Megatron formats",
-        description="Exact, streaming HF <-> Megatron conversion for Qwen2/Qwen2.5 (verified against transformers).",
+        description="Exact, streaming HF <-> Megatron conversion for Qwen2/Qwen2.5 and Qwen3 (verified against transformers).",
     )
     add_convert_arguments(convert)
     convert.set_defaults(func=_cmd_convert)

@@ -31,16 +31,18 @@ from typing import Any, Literal, Optional
 import yaml
 
 from dapo_megatron.config_io import COMMAND_LINE, ConfigError, apply_override, build_dataclass
+from dapo_megatron.models.families import DEFAULT_MODEL_TYPE, families
 
 # --------------------------------------------------------------------------- sections
 
 
 @dataclass
 class ModelConfig:
-    """The policy model: a Qwen2 / Qwen2.5 decoder, described by its HF config or by hand."""
+    """The policy model: a decoder of a supported family (``dapo_megatron.models.families``:
+    Qwen2 / Qwen2.5, Qwen3), described by its HF config or by hand."""
 
     hf_config: Optional[str] = None
-    """Path to an HF ``config.json`` (or the folder holding it) of a Qwen2ForCausalLM. Shape
+    """Path to an HF ``config.json`` (or the folder holding it) of a supported family. Shape
     fields left unset below are read from it; a shape field set here that disagrees with it
     is an error."""
     hf_weights: Optional[str] = None
@@ -48,6 +50,9 @@ class ModelConfig:
     ``checkpoint.load_dir`` is set) and of the default tokenizer; defaults to
     ``model.hf_config``'s folder. Lets a config carry its model shape without the weights
     being there yet (the demo's base model is written by its prepare step)."""
+    family: Optional[str] = None
+    """The model family, as HF ``config.json`` names it in ``model_type`` (``qwen2``,
+    ``qwen3``); read from ``model.hf_config``; ``qwen2`` for a shape given by hand."""
     num_layers: Optional[int] = None
     """Number of transformer layers (HF ``num_hidden_layers``)."""
     hidden_size: Optional[int] = None
@@ -58,6 +63,9 @@ class ModelConfig:
     """Number of query heads (HF ``num_attention_heads``)."""
     num_query_groups: Optional[int] = None
     """Number of key/value heads for grouped-query attention (HF ``num_key_value_heads``)."""
+    head_dim: Optional[int] = None
+    """Width of one attention head (HF ``head_dim``); ``hidden_size / num_attention_heads``
+    when the HF config has none (Qwen2)."""
     vocab_size: Optional[int] = None
     """Vocabulary size of the checkpoint, before Megatron's padding (HF ``vocab_size``)."""
     max_position_embeddings: Optional[int] = None
@@ -501,15 +509,15 @@ def source_of(config: Config, *keys: str) -> str:
 # --------------------------------------------------------------------------- model shape
 
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
-
 # ModelConfig field -> HF config.json key.
 _HF_KEYS = {
+    "family": "model_type",
     "num_layers": "num_hidden_layers",
     "hidden_size": "hidden_size",
     "ffn_hidden_size": "intermediate_size",
     "num_attention_heads": "num_attention_heads",
     "num_query_groups": "num_key_value_heads",
+    "head_dim": "head_dim",
     "vocab_size": "vocab_size",
     "max_position_embeddings": "max_position_embeddings",
     "rms_norm_eps": "rms_norm_eps",
@@ -561,7 +569,7 @@ def hf_weights_folder(model: ModelConfig) -> Optional[Path]:
 
 
 def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
-    """Read the model shape from an HF Qwen2 ``config.json`` (file or folder).
+    """Read the model shape from the HF ``config.json`` (file or folder) of a supported family.
 
     Returns a dict keyed by :class:`ModelConfig` field names. Handles both spellings of
     the RoPE base: top-level ``rope_theta`` (transformers 4.x, released Qwen2.5) and
@@ -576,15 +584,19 @@ def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"model.hf_config={str(hf_config)!r}: cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"model.hf_config={str(hf_config)!r}: {path} is not valid JSON: {exc}") from None
-    architectures = hf.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures) and hf.get("model_type") != "qwen2":
+    known = families()
+    model_type = hf.get("model_type")
+    if model_type not in known:
+        supported = ", ".join(f"{f.model_type} ({f.architecture})" for f in known.values())
         raise ConfigError(
-            f"model.hf_config={str(hf_config)!r}: unsupported architecture "
-            f"{architectures or hf.get('model_type')!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"model.hf_config={str(hf_config)!r}: unsupported model family "
+            f"{model_type or hf.get('architectures')!r} (config.json's model_type); supported: {supported}"
         )
     shape: dict[str, Any] = {}
     for name, key in _HF_KEYS.items():
         value = hf.get(key)
+        if name == "head_dim" and value is None and hf.get("num_attention_heads"):
+            value = hf.get("hidden_size", 0) // hf["num_attention_heads"]
         if name == "rope_theta" and value is None:
             value = (hf.get("rope_parameters") or {}).get("rope_theta")
         if name == "num_query_groups" and value is None:
@@ -623,7 +635,11 @@ def resolve_model_shape(model: ModelConfig, where: Any = None) -> None:
                     f"{_HF_KEYS[name]}={value!r} in model.hf_config={model.hf_config!r}; "
                     f"remove model.{name} or point model.hf_config at the right model"
                 )
-    missing = [name for name in _SHAPE_FIELDS if getattr(model, name) is None]
+    if model.family is None:
+        model.family = DEFAULT_MODEL_TYPE
+    if model.head_dim is None and model.hidden_size and model.num_attention_heads:
+        model.head_dim = model.hidden_size // model.num_attention_heads
+    missing = [name for name in _SHAPE_FIELDS if getattr(model, name) is None and name != "head_dim"]
     if missing:
         raise ConfigError(
             f"{where('model.hf_config')}: model shape incomplete: {', '.join('model.' + m for m in missing)} "
@@ -700,7 +716,7 @@ def _validate_ranges(config: Config, fail) -> None:
     positive(
         m,
         "model",
-        *[n for n in _SHAPE_FIELDS if n not in ("rms_norm_eps", "rope_theta", "tie_word_embeddings")],
+        *[n for n in _SHAPE_FIELDS if n not in ("family", "rms_norm_eps", "rope_theta", "tie_word_embeddings")],
         "make_vocab_size_divisible_by",
     )
     positive(
@@ -761,6 +777,11 @@ _LAYOUT_KEYS = (
 def _validate_layout(config: Config, fail) -> None:
     """The layout against the world size and against the model shape."""
     m, p = config.model, config.parallel
+    if m.family not in families():
+        fail(
+            ("model.family", "model.hf_config"),
+            f"model.family={m.family!r} is not a supported model family; supported: {', '.join(families())}",
+        )
     model_parallel = p.tp_size * p.pp_size * p.cp_size
     heads_and_groups = [t for t in _divisors(m.num_attention_heads) if m.num_query_groups % t == 0]
     if p.dp_size is None:

@@ -58,6 +58,7 @@ from dapo_megatron.config import (
     pipeline_layer_split,
     validate,
 )
+from dapo_megatron.models.families import family_named
 
 GIB = 2**30
 OVERHEAD_BYTES = 3 * GIB
@@ -73,21 +74,22 @@ LOGPROB_CHUNK_BYTES = 128 * 2**20
 
 
 def qkv_parameters(config: Config) -> int:
-    """Parameters of one layer's q, k and v projections, weights and biases (whole)."""
+    """Parameters of one layer's q, k and v projections, weights and biases if the family
+    has them (whole)."""
     m = config.model
-    head_dim = m.hidden_size // m.num_attention_heads
-    rows = (m.num_attention_heads + 2 * m.num_query_groups) * head_dim
-    return rows * (m.hidden_size + 1)
+    rows = (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
+    return rows * (m.hidden_size + int(family_named(m.family).qkv_bias))
 
 
 def layer_parameters(config: Config) -> tuple[int, int]:
-    """``(tensor-parallel-sharded, replicated)`` parameters of one transformer layer."""
+    """``(tensor-parallel-sharded, replicated)`` parameters of one transformer layer: the
+    replicated ones are its two RMSNorms (and the q/k norms of families that have them)."""
     m = config.model
-    head_dim = m.hidden_size // m.num_attention_heads
     qkv = qkv_parameters(config)
-    proj = m.hidden_size * m.num_attention_heads * head_dim
+    proj = m.hidden_size * m.num_attention_heads * m.head_dim
     mlp = 3 * m.hidden_size * m.ffn_hidden_size
-    return qkv + proj + mlp, 2 * m.hidden_size
+    qk_norms = 2 * m.head_dim if family_named(m.family).qk_norm else 0
+    return qkv + proj + mlp, 2 * m.hidden_size + qk_norms
 
 
 def count_parameters(config: Config) -> int:
@@ -198,8 +200,7 @@ def planned_engine(config: Config) -> str:
 def kv_cache_bytes_per_token(config: Config, dtype_bytes: int, tp_size: int = 1) -> float:
     """Keys and values of every layer for one token, split over ``tp_size`` ranks."""
     m = config.model
-    head_dim = m.hidden_size // m.num_attention_heads
-    return 2 * m.num_layers * m.num_query_groups * head_dim * dtype_bytes / tp_size
+    return 2 * m.num_layers * m.num_query_groups * m.head_dim * dtype_bytes / tp_size
 
 
 def hf_engine_bytes(config: Config) -> tuple[int, int]:

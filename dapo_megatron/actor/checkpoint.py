@@ -307,9 +307,9 @@ def load_model_weights(actor, path: str | os.PathLike) -> None:
 def load_hf_model_weights(actor, hf_dir: str | os.PathLike) -> None:
     """Load only the model weights straight from an HF safetensors folder (converted on load)."""
     from dapo_megatron.ckpt.loading import load_hf_weights
-    from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape
+    from dapo_megatron.ckpt.mapping import ModelShape
 
-    shape = Qwen2Shape.from_model_config(actor.model_config)
+    shape = ModelShape.from_model_config(actor.model_config)
     load_hf_weights(actor.gpt, hf_dir, shape, actor.runtime.tp_rank, actor.parallel.tp_size)
     actor.optimizer.reload_model_params()
 
@@ -324,9 +324,9 @@ def load_reference_weights(actor, source: str, path: str | os.PathLike) -> None:
         load_megatron_weights(actor.reference, latest_checkpoint(path) or path)
     elif source == "hf":
         from dapo_megatron.ckpt.loading import load_hf_weights
-        from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape
+        from dapo_megatron.ckpt.mapping import ModelShape
 
-        shape = Qwen2Shape.from_model_config(actor.model_config)
+        shape = ModelShape.from_model_config(actor.model_config)
         load_hf_weights(actor.reference, path, shape, actor.runtime.tp_rank, actor.parallel.tp_size)
     else:
         raise ValueError(f"unknown weight source {source!r}")

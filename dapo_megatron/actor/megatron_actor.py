@@ -30,7 +30,7 @@ from dapo_megatron.actor.batch import PolicyBatch, plan_micro_batches, sequence_
 from dapo_megatron.actor.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from dapo_megatron.algo.loss import dapo_policy_loss
 from dapo_megatron.config import AlgorithmConfig, ModelConfig, ParallelConfig, TrainerConfig, padded_vocab_size
-from dapo_megatron.models.qwen2 import build_qwen2_model, output_weight, params_dtype
+from dapo_megatron.models.gpt import build_model, output_weight, params_dtype
 from dapo_megatron.runtime.distributed import RuntimeInfo
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class MegatronActor:
         self.model_config, self.parallel, self.trainer, self.algorithm = model, parallel, trainer, algorithm
         self.runtime = runtime
         self.device = runtime.device
-        self.gpt = build_qwen2_model(model, parallel, self.device.type, output_logits=False)
+        self.gpt = build_model(model, parallel, self.device.type, output_logits=False)
         self.ddp = DistributedDataParallel(
             self.gpt.config,
             DistributedDataParallelConfig(
@@ -157,7 +157,7 @@ class MegatronActor:
         # buffers, no optimizer state), given the run's initial weights by the caller.
         self.reference = None
         if algorithm.use_kl_loss:
-            self.reference = build_qwen2_model(model, parallel, self.device.type, output_logits=False)
+            self.reference = build_model(model, parallel, self.device.type, output_logits=False)
             self.reference.requires_grad_(False)
             self.reference.eval()
 

@@ -8,7 +8,7 @@ on every rank of each data-parallel replica that feeds an engine:
 - each tensor-parallel shard is gathered onto the stage's tensor-parallel rank 0 (the
   *stage leader*), one parameter at a time; SwiGLU ``linear_fc1`` shards are
   ``[gate_r; up_r]`` and are regrouped into ``[gate; up]``;
-- the leader converts the full parameter with :mod:`dapo_megatron.ckpt.qwen2_mapping`
+- the leader converts the full parameter with :mod:`dapo_megatron.ckpt.mapping`
   (the converter's mapping; vocabulary padding stripped) under its *global* layer index
   and packs the results into buckets of ``bucket_bytes``;
 - every stage leader sends its buckets to the *feeders* of its own data-parallel replica,
@@ -27,7 +27,7 @@ until then.
 Engines that accept *pieces* (``accepts_pieces``: the transformers engine) can instead be
 fed by every rank of the first replica directly (:func:`iter_piece_buckets`): each rank
 sends views of its own shards with their place in the HF tensor
-(:func:`~dapo_megatron.ckpt.qwen2_mapping.shard_to_hf_pieces`), so nothing is gathered,
+(:func:`~dapo_megatron.ckpt.mapping.shard_to_hf_pieces`), so nothing is gathered,
 rearranged or relayed between stages, and the engine's copy is the only one.
 """
 
@@ -41,13 +41,13 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.actor.sync_roles import SyncRoles, check_feeders, feeder_roles, sync_roles
-from dapo_megatron.ckpt.qwen2_mapping import (
+from dapo_megatron.ckpt.mapping import (
     EMBEDDING,
     FINAL_NORM,
-    LAYER_PARAMS,
     OUTPUT_LAYER,
-    Qwen2Shape,
+    ModelShape,
     canonical_layer_param,
+    layer_params,
     megatron_layer_key,
     shard_to_hf_pieces,
     to_hf,
@@ -84,7 +84,7 @@ def iter_hf_tensors(actor) -> Iterator[tuple[str, torch.Tensor]]:
     Must be run by every tensor-parallel rank of the stage (the gathers are collective);
     non-leaders yield nothing.
     """
-    shape = Qwen2Shape.from_model_config(actor.model_config)
+    shape = ModelShape.from_model_config(actor.model_config)
     tp_group = actor.tp_group
     leader = actor.runtime.tp_rank == 0
     params = dict(actor.gpt.named_parameters())
@@ -103,6 +103,7 @@ def _stage_params_in_order(actor) -> list[tuple[str, str, Optional[int]]]:
     """This pipeline stage's parameters in model order as ``(megatron_key, parameter
     name, global layer index or None)``: embedding, layers, final norm, output layer."""
     gpt = actor.gpt
+    shape = ModelShape.from_model_config(actor.model_config)
     params = [name for name, _ in gpt.named_parameters()]
     order: list[tuple[str, str, Optional[int]]] = []
     if gpt.pre_process:
@@ -111,7 +112,7 @@ def _stage_params_in_order(actor) -> list[tuple[str, str, Optional[int]]]:
         prefix = f"decoder.layers.{local_index}."
         for name in sorted(n[len(prefix) :] for n in params if n.startswith(prefix)):
             canonical = canonical_layer_param(name)
-            if canonical not in LAYER_PARAMS:
+            if canonical not in layer_params(shape):
                 raise WeightSyncError(f"no HF mapping for actor parameter {prefix}{name}")
             order.append((megatron_layer_key(canonical), prefix + name, layer.layer_number - 1))
     if gpt.post_process:
@@ -143,7 +144,7 @@ def iter_piece_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Itera
     shared memory (colocated engines on the CPU) are references, so they all fit in one."""
     if actor.runtime.dp_rank != 0:
         return
-    shape = Qwen2Shape.from_model_config(actor.model_config)
+    shape = ModelShape.from_model_config(actor.model_config)
     tp_rank, tp_size = actor.runtime.tp_rank, actor.parallel.tp_size
     params = dict(actor.gpt.named_parameters())
     bucket, size = WeightBucket(), 0

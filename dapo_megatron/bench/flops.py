@@ -1,14 +1,14 @@
-"""Model FLOPs of a Qwen2 decoder: the numerator of MFU.
+"""Model FLOPs of a decoder of any supported family: the numerator of MFU.
 
 MFU is only comparable between systems when everyone counts the same operations, so the
 count is written out here once and documented in ``docs/performance.md``. It counts the
-matrix multiplications a Qwen2 forward pass must do (2 FLOPs per multiply-add); norms,
+matrix multiplications a forward pass must do (2 FLOPs per multiply-add); norms,
 RoPE, softmax, biases and activations are elementwise and left out, as is any
 recomputation (the chunked log-prob recomputes its logits in backward; that work is
 real but not *model* FLOPs, so it lowers MFU instead of raising it).
 
 For a sequence of ``L`` tokens, hidden ``h``, ``a`` query heads and ``g`` key/value
-groups of head width ``d = h / a``, MLP width ``f``, vocabulary ``V`` and ``n`` tokens
+groups of head width ``d`` (``head_dim``; ``h / a`` in Qwen2), MLP width ``f``, vocabulary ``V`` and ``n`` tokens
 whose next-token distribution is computed (the actor computes logits only at loss
 tokens; generation at every sampled token):
 
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape
+from dapo_megatron.ckpt.mapping import ModelShape
 
 
-def linear_shapes(shape: Qwen2Shape, tp_size: int = 1) -> list[tuple[int, int]]:
+def linear_shapes(shape: ModelShape, tp_size: int = 1) -> list[tuple[int, int]]:
     """``(in_features, out_features)`` of one layer's projections as one tensor-parallel
     rank holds them (q/k/v, output projection, gate/up, down), then the output layer."""
     h, d = shape.hidden_size, shape.head_dim
@@ -51,7 +51,7 @@ def attention_pairs(length: int, causal: bool = True) -> int:
     return length * (length + 1) // 2 if causal else length * length
 
 
-def forward_flops(shape: Qwen2Shape, seq_lengths: Iterable[int], logit_tokens: int, *, causal: bool = True) -> int:
+def forward_flops(shape: ModelShape, seq_lengths: Iterable[int], logit_tokens: int, *, causal: bool = True) -> int:
     """Model FLOPs of one forward pass over sequences of ``seq_lengths`` tokens with
     next-token distributions at ``logit_tokens`` of them (see the module docstring)."""
     h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
@@ -65,12 +65,12 @@ def forward_flops(shape: Qwen2Shape, seq_lengths: Iterable[int], logit_tokens: i
     return shape.num_layers * (tokens * per_token + attention) + 2 * logit_tokens * h * shape.vocab_size
 
 
-def train_flops(shape: Qwen2Shape, seq_lengths: Iterable[int], logit_tokens: int, *, causal: bool = True) -> int:
+def train_flops(shape: ModelShape, seq_lengths: Iterable[int], logit_tokens: int, *, causal: bool = True) -> int:
     """Model FLOPs of a forward and backward pass (three forwards' worth)."""
     return 3 * forward_flops(shape, seq_lengths, logit_tokens, causal=causal)
 
 
-def decode_flops(shape: Qwen2Shape, prompt_length: int, response_length: int) -> int:
+def decode_flops(shape: ModelShape, prompt_length: int, response_length: int) -> int:
     """Model FLOPs of generating ``response_length`` tokens after a ``prompt_length``-token
     prompt with a KV cache: the prompt's forward, then each new token attends to every
     token before it and itself; a distribution at every sampled position (the last

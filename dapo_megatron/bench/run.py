@@ -40,7 +40,7 @@ from dapo_megatron.bench.ceilings import published_peak
 from dapo_megatron.bench.flops import decode_flops, forward_flops, linear_shapes, train_flops
 from dapo_megatron.bench.phases import PHASES
 from dapo_megatron.bench.workloads import reward_mix
-from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape
+from dapo_megatron.ckpt.mapping import ModelShape
 from dapo_megatron.config import Config, ConfigError
 from dapo_megatron.runtime.measure import copy_bytes_per_s, peak_memory_bytes, reset_peak_memory
 
@@ -105,7 +105,7 @@ class _Bench:
     def __init__(self, config: Config, options: BenchOptions, system, data) -> None:
         self.config, self.options, self.system = config, options, system
         self.tokenizer, self.loader = data
-        self.shape = Qwen2Shape.from_model_config(config.model)
+        self.shape = ModelShape.from_model_config(config.model)
         self.devices = _devices(config)
         self.on_gpu = torch.cuda.is_available() and config.parallel.device != "cpu"
         self.result: dict = {"phases": {}, "ceilings": {}}
@@ -445,7 +445,7 @@ def run_bench(config: Config, options: BenchOptions) -> dict:
             "engine": config.rollout.engine,
             "colocate": config.rollout.colocate,
         },
-        "model": {k: getattr(config.model, k) for k in Qwen2Shape.__dataclass_fields__},
+        "model": {k: getattr(config.model, k) for k in ModelShape.__dataclass_fields__},
         "steps": options.steps,
         "warmup": options.warmup,
         **options.extra,

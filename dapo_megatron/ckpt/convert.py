@@ -1,6 +1,6 @@
-"""HF <-> Megatron checkpoint conversion for Qwen2 / Qwen2.5: exact, streaming, verified.
+"""HF <-> Megatron checkpoint conversion for every supported model family: exact, streaming, verified.
 
-Both directions stream tensor by tensor through :mod:`qwen2_mapping` (the single source
+Both directions stream tensor by tensor through :mod:`mapping` (the single source
 of truth for names and layouts): HF safetensors are opened per read (memory-mapped, and
 closed again so their pages do not pile up), each Megatron chunk is produced only when
 the writer asks for it, and HF shards are flushed as they fill. Peak memory is therefore
@@ -8,7 +8,7 @@ about one HF shard (megatron -> HF) or one layer's tensors (HF -> megatron), not
 model.
 
 Output goes to ``<out>.tmp-<pid>`` and is renamed to ``<out>`` only once it is complete
-and, with ``verify``, its logits match ``transformers``' Qwen2ForCausalLM on the same
+and, with ``verify``, its logits match ``transformers``' own model of the family on the same
 prompts. An existing ``<out>`` is refused unless ``overwrite`` is set, and even then it is
 replaced only after the new one is complete, so a failed conversion never loses data or
 leaves a folder that looks finished.
@@ -30,9 +30,9 @@ import torch
 
 from dapo_megatron.ckpt import dcp_io
 from dapo_megatron.ckpt.hf_checkpoint import ConversionError, HFCheckpoint
-from dapo_megatron.ckpt.qwen2_mapping import (
+from dapo_megatron.ckpt.mapping import (
     VOCAB_KEYS,
-    Qwen2Shape,
+    ModelShape,
     hf_names_of,
     hf_shapes,
     megatron_shapes,
@@ -77,9 +77,9 @@ class ConversionReport:
 # ------------------------------------------------------------------ shared helpers
 
 
-def _shape_from_hf_config(path: str | os.PathLike) -> Qwen2Shape:
+def _shape_from_hf_config(path: str | os.PathLike) -> ModelShape:
     try:
-        return Qwen2Shape.from_model_config(read_hf_model_shape(path))
+        return ModelShape.from_model_config(read_hf_model_shape(path))
     except ConfigError as exc:
         raise ConversionError(str(exc).replace("model.hf_config=", "config ")) from None
 
@@ -193,7 +193,7 @@ def hf_to_megatron(
     dtype: Optional[torch.dtype] = None,
     progress: bool = True,
 ) -> ConversionReport:
-    """Convert an HF Qwen2 checkpoint into a Megatron ``torch_dist`` checkpoint.
+    """Convert an HF checkpoint (any supported family) into a Megatron ``torch_dist`` checkpoint.
 
     ``dtype``: cast tensors to this dtype (default: as stored in the HF files).
     """
@@ -227,7 +227,7 @@ def hf_to_megatron(
 # ------------------------------------------------------------------ Megatron -> HF
 
 
-def _check_megatron(ckpt: Path, stored: dict, shape: Qwen2Shape, config_path: Path) -> None:
+def _check_megatron(ckpt: Path, stored: dict, shape: ModelShape, config_path: Path) -> None:
     expected = megatron_shapes(shape)
     missing = sorted(set(expected) - set(stored))
     if missing:

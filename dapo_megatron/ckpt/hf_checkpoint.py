@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape, hf_shapes
+from dapo_megatron.ckpt.mapping import ModelShape, hf_shapes
 from dapo_megatron.config import ConfigError
 
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -68,7 +68,7 @@ class HFCheckpoint:
         with safe_open(str(self.file_of[name]), framework="pt") as f:
             return f.get_tensor(name).clone()
 
-    def check_against(self, shape: Qwen2Shape) -> None:
+    def check_against(self, shape: ModelShape) -> None:
         """Refuse missing, extra and mis-shaped tensors, naming them."""
         expected = hf_shapes(shape)
         found = {k: v for k, v in self.shapes.items() if not k.endswith(IGNORED_HF_SUFFIXES)}

@@ -48,7 +48,7 @@ def load_hf_weights(gpt, hf_dir: str | os.PathLike, shape, tp_rank: int, tp_size
     import torch
 
     from dapo_megatron.ckpt.hf_checkpoint import HFCheckpoint
-    from dapo_megatron.ckpt.qwen2_mapping import (
+    from dapo_megatron.ckpt.mapping import (
         EMBEDDING,
         FINAL_NORM,
         OUTPUT_LAYER,

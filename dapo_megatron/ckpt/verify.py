@@ -1,9 +1,9 @@
 """Check a conversion the way a user would: same prompts, same logits as transformers.
 
 Loads the Megatron checkpoint into megatron-core's GPTModel (one CPU rank, fp32) and the
-HF checkpoint into ``transformers``' own Qwen2ForCausalLM (fp32), runs a few fixed random
+HF checkpoint into ``transformers``' own model of its family (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``; fp32), runs a few fixed random
 prompts through both, and returns the largest logit difference relative to the largest
-logit. A wrong QKV interleave, a swapped gate/up, a missing bias or a misplaced norm shows
+logit. A wrong QKV interleave, a swapped gate/up, a missing bias, a missing q/k norm or a misplaced norm shows
 up here as an error of order 1, while an exact conversion stays at fp32 rounding.
 
 A conversion that also changes the dtype (``--dtype bfloat16`` from an fp32 checkpoint)
@@ -52,11 +52,11 @@ def compare_logits(
     ``weights_dtype``: the dtype the conversion wrote; both models' weights are rounded to
     it before the fp32 forward passes (see the module docstring).
     """
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from dapo_megatron.ckpt.loading import load_megatron_weights
     from dapo_megatron.config import ModelConfig, ParallelConfig, resolve_model_shape
-    from dapo_megatron.models.qwen2 import build_qwen2_model
+    from dapo_megatron.models.gpt import build_model
     from dapo_megatron.runtime.distributed import megatron_runtime
 
     model = ModelConfig(hf_config=str(Path(hf_dir)), params_dtype="float32", transformer_impl="local")
@@ -64,7 +64,7 @@ def compare_logits(
     tokens = torch.randint(
         0, model.vocab_size, (NUM_PROMPTS, PROMPT_TOKENS), generator=torch.Generator().manual_seed(seed)
     )
-    hf = Qwen2ForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     _round_weights(hf, weights_dtype)
     hf.eval()
     with torch.no_grad():
@@ -74,7 +74,7 @@ def compare_logits(
     env = {name: os.environ.pop(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name in os.environ}
     try:
         with megatron_runtime(parallel, seed=seed):
-            gpt = build_qwen2_model(model, parallel, "cpu", output_logits=True)
+            gpt = build_model(model, parallel, "cpu", output_logits=True)
             load_megatron_weights(gpt, megatron_ckpt)
             _round_weights(gpt, weights_dtype)
             gpt.eval()

@@ -25,7 +25,8 @@ from typing import Optional
 
 import torch
 
-from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape, hf_shapes
+from dapo_megatron.ckpt.mapping import ModelShape, hf_shapes
+from dapo_megatron.models.families import DEFAULT_MODEL_TYPE
 from dapo_megatron.rollout.engine import (
     Generation,
     RolloutEngine,
@@ -65,21 +66,24 @@ def parallel_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], pool: Optional
         torch.set_num_threads(threads)
 
 
-def qwen2_config_for(shape: Qwen2Shape, *, rms_norm_eps: float, rope_theta: float, max_position_embeddings: int):
-    """A transformers ``Qwen2Config`` with the given shape."""
-    from transformers import Qwen2Config
+def hf_config_for(model_config):
+    """The transformers config of a resolved :class:`ModelConfig`, of its own family."""
+    from transformers import AutoConfig
 
-    return Qwen2Config(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.ffn_hidden_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_query_groups,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        rms_norm_eps=rms_norm_eps,
-        rope_theta=rope_theta,
-        max_position_embeddings=max_position_embeddings,
+    shape = ModelShape.from_model_config(model_config)  # head_dim when the config leaves it unset
+    return AutoConfig.for_model(
+        model_config.family or DEFAULT_MODEL_TYPE,
+        vocab_size=model_config.vocab_size,
+        hidden_size=model_config.hidden_size,
+        intermediate_size=model_config.ffn_hidden_size,
+        num_hidden_layers=model_config.num_layers,
+        num_attention_heads=model_config.num_attention_heads,
+        num_key_value_heads=model_config.num_query_groups,
+        head_dim=shape.head_dim,
+        tie_word_embeddings=model_config.tie_word_embeddings,
+        rms_norm_eps=model_config.rms_norm_eps,
+        rope_theta=model_config.rope_theta,
+        max_position_embeddings=model_config.max_position_embeddings,
     )
 
 
@@ -103,7 +107,7 @@ def hf_eos_token_ids(hf_dir) -> tuple[int, ...]:
 
 
 class HFRolloutEngine(RolloutEngine):
-    """Rollouts with a ``transformers`` Qwen2ForCausalLM.
+    """Rollouts with a ``transformers`` causal LM of the model's family (``Qwen2ForCausalLM``, ...).
 
     Args:
         model: the HF model (its weights are replaced by :meth:`update_weights`).
@@ -116,7 +120,7 @@ class HFRolloutEngine(RolloutEngine):
     """
 
     def __init__(
-        self, model, shape: Qwen2Shape, tokenizer=None, pad_token_id: int = 0, eos_token_ids: tuple[int, ...] = ()
+        self, model, shape: ModelShape, tokenizer=None, pad_token_id: int = 0, eos_token_ids: tuple[int, ...] = ()
     ) -> None:
         self.model = model.eval()
         self.eos_token_ids = tuple(eos_token_ids)
@@ -137,34 +141,28 @@ class HFRolloutEngine(RolloutEngine):
         self._copy_pool = ThreadPoolExecutor(threads) if self.device.type == "cpu" and threads > 1 else None
         unknown = sorted(set(self._expected) - set(self._params))
         if unknown:
-            raise ValueError(f"the HF model has no parameters {unknown[:5]} that a Qwen2 of this shape needs")
+            raise ValueError(f"the HF model has no parameters {unknown[:5]} that a model of this shape needs")
 
     @classmethod
     def from_model_config(
         cls, model_config, *, dtype=torch.float32, device="cpu", tokenizer=None, eos_token_ids: tuple[int, ...] = ()
     ) -> HFRolloutEngine:
         """An engine for a resolved :class:`ModelConfig`, with random weights until the first sync."""
-        from transformers import Qwen2ForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        shape = Qwen2Shape.from_model_config(model_config)
-        config = qwen2_config_for(
-            shape,
-            rms_norm_eps=model_config.rms_norm_eps,
-            rope_theta=model_config.rope_theta,
-            max_position_embeddings=model_config.max_position_embeddings,
-        )
-        model = Qwen2ForCausalLM(config).to(device=device, dtype=dtype)
+        shape = ModelShape.from_model_config(model_config)
+        model = AutoModelForCausalLM.from_config(hf_config_for(model_config)).to(device=device, dtype=dtype)
         return cls(model, shape, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
 
     @classmethod
     def from_pretrained(cls, hf_dir, *, dtype=torch.float32, device="cpu", tokenizer=None) -> HFRolloutEngine:
         """An engine serving an HF checkpoint folder."""
-        from transformers import Qwen2ForCausalLM
+        from transformers import AutoModelForCausalLM
 
         from dapo_megatron.config import read_hf_model_shape
 
-        model = Qwen2ForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device)
-        shape = Qwen2Shape.from_model_config(read_hf_model_shape(hf_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device)
+        shape = ModelShape.from_model_config(read_hf_model_shape(hf_dir))
         return cls(model, shape, tokenizer=tokenizer, eos_token_ids=hf_eos_token_ids(hf_dir))
 
     # ------------------------------------------------------------------ generation

@@ -46,26 +46,37 @@ def make_batch(seed: int, response_lengths: list[int], prompt_lengths: list[int]
     return batch
 
 
-def tiny_hf_qwen2(tied: bool, seed: int, vocab_size: int = 120, **config):
-    """A random transformers Qwen2 of the actor tests' shape (vocabulary 120: padded to 128)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+TINY_HEAD_DIM = {"qwen2": 16, "qwen3": 24}
+"""Head width of the tiny models by family: Qwen3's explicit ``head_dim`` is not
+hidden / heads (64 / 4 = 16), so a mapping that assumes it would fail."""
+
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+)
+
+
+def tiny_hf_model(family: str, tied: bool, seed: int, vocab_size: int = 120, **config):
+    """A random transformers model of ``family`` with the actor tests' shape (vocabulary
+    120: padded to 128)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=vocab_size,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            rms_norm_eps=1e-6,
-            rope_theta=1e6,
-            tie_word_embeddings=tied,
-            **config,
-        )
+    hf_config = AutoConfig.for_model(
+        family, vocab_size=vocab_size, tie_word_embeddings=tied, head_dim=TINY_HEAD_DIM[family], **TINY_SHAPE, **config
     )
+    return AutoModelForCausalLM.from_config(hf_config)
+
+
+def tiny_hf_qwen2(tied: bool, seed: int, vocab_size: int = 120, **config):
+    """:func:`tiny_hf_model` of the Qwen2 family."""
+    return tiny_hf_model("qwen2", tied, seed, vocab_size, **config)
 
 
 def _actor(cfg, info):
@@ -251,13 +262,13 @@ def _save_weights(actor, path: str) -> None:
 
 def fused_against_megatron_logits(workdir: str, tied: bool) -> None:
     """The actor's log-probs/entropy against log_softmax of GPTModel's own logits (float64)."""
-    from dapo_megatron.models.qwen2 import build_qwen2_model
+    from dapo_megatron.models.gpt import build_model
 
     cfg = actor_config(1, 1)
     cfg.model.tie_word_embeddings = tied
     cfg.model.vocab_size = 120  # padded to 128 by megatron: 8 rows that must never count
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
-        plain = build_qwen2_model(cfg.model, cfg.parallel, "cpu", output_logits=True)
+        plain = build_model(cfg.model, cfg.parallel, "cpu", output_logits=True)
         actor = _actor(cfg, info)
         actor.gpt.load_state_dict(plain.state_dict())
         batch = make_batch(4, [5, 12, 1, 8])

@@ -14,7 +14,7 @@ def logits_at_layout(hf_dir: str, ckpt: str, out_file: str, tp_size: int, pp_siz
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from dapo_megatron.ckpt.loading import load_megatron_weights
-    from dapo_megatron.models.qwen2 import build_qwen2_model
+    from dapo_megatron.models.gpt import build_model
 
     cfg = config_from_dict(
         {
@@ -32,7 +32,7 @@ def logits_at_layout(hf_dir: str, ckpt: str, out_file: str, tp_size: int, pp_siz
         }
     )
     with megatron_runtime(cfg.parallel, seed=0) as info:
-        gpt = build_qwen2_model(cfg.model, cfg.parallel, "cpu", output_logits=True)
+        gpt = build_model(cfg.model, cfg.parallel, "cpu", output_logits=True)
         load_megatron_weights(gpt, ckpt)
         gpt.eval()
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)

@@ -71,9 +71,9 @@ def _batch() -> list[dict[str, torch.Tensor]]:
 
 
 def _build(cfg):
-    from dapo_megatron.models.qwen2 import build_qwen2_model
+    from dapo_megatron.models.gpt import build_model
 
-    return build_qwen2_model(cfg.model, cfg.parallel, "cpu")
+    return build_model(cfg.model, cfg.parallel, "cpu")
 
 
 def _sharded(model):

@@ -21,7 +21,7 @@ from dapo_megatron.actor.checkpoint import load_hf_model_weights, load_reference
 from dapo_megatron.actor.megatron_actor import MegatronActor
 from dapo_megatron.actor.weight_sync import iter_hf_tensors
 from dapo_megatron.runtime.distributed import megatron_runtime
-from tests.distributed.actor_worker import actor_config, make_batch
+from tests.distributed.actor_worker import TINY_HEAD_DIM, actor_config, make_batch
 
 VOCAB = 120
 NUM_MINI_BATCHES = 2
@@ -118,14 +118,16 @@ def dapo_step_with_gradients(
     weighted: bool = False,
     row_dependent_gemms: bool = False,
     kl_type: str | None = None,
+    family: str = "qwen2",
 ) -> None:
     """``row_dependent_gemms``: run the whole step under :class:`RowCountDependentGemms`
     (only the first update's ratio is then checked). ``kl_type``: with the KL penalty of
     that estimator (coefficient ``KL_COEF``) to the reference policy in ``hf_ref_tied*``."""
     if row_dependent_gemms:
         with RowCountDependentGemms():
-            return dapo_step_with_gradients(workdir, tp_size, pp_size, dp_size, weighted)
+            return dapo_step_with_gradients(workdir, tp_size, pp_size, dp_size, weighted, family=family)
     cfg = actor_config(tp_size, pp_size, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
+    cfg.model.family, cfg.model.head_dim = family, TINY_HEAD_DIM[family]
     cfg.parallel.use_distributed_optimizer = True
     if kl_type is not None:
         cfg.algorithm.use_kl_loss, cfg.algorithm.kl_loss_coef, cfg.algorithm.kl_loss_type = True, KL_COEF, kl_type

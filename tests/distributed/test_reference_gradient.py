@@ -3,7 +3,7 @@
 Every other actor test compares the actor with itself (one layout against another, dp2
 against dp1). Here one rollout step of the Megatron actor (two mini-batches, several
 micro-batches per rank, the distributed optimizer) is compared with transformers' own
-``Qwen2ForCausalLM`` on the same weights in float64, under a DAPO loss written out below
+model of the family (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) on the same weights in float64, under a DAPO loss written out below
 in plain PyTorch: the token mean over every loss token of the whole mini-batch. The first
 mini-batch is checked at the initial weights (on-policy: ratio exactly 1), the second at
 the weights the actor's first update produced (off-policy: ratios away from 1, some of
@@ -19,25 +19,31 @@ import torch
 
 from dapo_megatron.runtime.launch import launch_local
 from tests.distributed import reference_worker
-from tests.distributed.actor_worker import tiny_hf_qwen2
+from tests.distributed.actor_worker import tiny_hf_model, tiny_hf_qwen2
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # the actor's defaults (AlgorithmConfig)
 RELATIVE_TOLERANCE = 1e-5
 
 
 def _randomize_biases(model) -> None:
+    """Biases (Qwen2) and norm weights (q/k norms in Qwen3) away from their initial 0 and 1,
+    so a mapping mistake in them cannot hide."""
     with torch.no_grad():
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.1)
+                if proj.bias is not None:
+                    proj.bias.normal_(0, 0.1)
+            for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
+                if norm is not None:
+                    norm.weight.uniform_(0.5, 1.5)
             layer.input_layernorm.weight.uniform_(0.5, 1.5)
             layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
 
 
 def _float64_model(hf_dir, tied: bool, weights: dict[str, torch.Tensor] | None):
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, attn_implementation="eager")
     if weights is not None:
         missing, unexpected = model.load_state_dict({k: v.double() for k, v in weights.items()}, strict=False)
         assert not unexpected and set(missing) <= ({"lm_head.weight"} if tied else set()), (missing, unexpected)
@@ -90,33 +96,47 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("tp_size", "pp_size", "dp_size", "weighted", "kl_type"),
+    ("family", "tp_size", "pp_size", "dp_size", "weighted", "kl_type"),
     [
-        (2, 2, 1, False, None),
-        (1, 2, 2, False, None),
-        (2, 1, 2, True, None),
-        (1, 2, 2, False, "k3"),
-        (2, 1, 2, False, "k1"),
+        ("qwen2", 2, 2, 1, False, None),
+        ("qwen2", 1, 2, 2, False, None),
+        ("qwen2", 2, 1, 2, True, None),
+        ("qwen2", 1, 2, 2, False, "k3"),
+        ("qwen2", 2, 1, 2, False, "k1"),
+        ("qwen3", 2, 1, 1, False, None),
+        ("qwen3", 1, 2, 1, False, None),
     ],
-    ids=["tp2-pp2", "pp2-dp2", "tp2-dp2-rollout-correction", "pp2-dp2-kl-k3", "tp2-dp2-kl-k1"],
+    ids=[
+        "tp2-pp2",
+        "pp2-dp2",
+        "tp2-dp2-rollout-correction",
+        "pp2-dp2-kl-k3",
+        "tp2-dp2-kl-k1",
+        "qwen3-tp2",
+        "qwen3-pp2",
+    ],
 )
-def test_dapo_gradients_equal_an_independent_float64_reference(tmp_path, tp_size, pp_size, dp_size, weighted, kl_type):
+def test_dapo_gradients_equal_an_independent_float64_reference(
+    tmp_path, family, tp_size, pp_size, dp_size, weighted, kl_type
+):
     """With ``weighted``, the batch carries rollout-correction weights (TIS values, some
     capped, and MIS zeros) that the reference multiplies into its token losses. With
     ``kl_type``, the loss adds the KL penalty to a reference policy that is another model
-    (so the penalty and its gradient are not zero at the first update)."""
+    (so the penalty and its gradient are not zero at the first update). Qwen3: q/k norms
+    (their gradients summed over tensor-parallel ranks) and a head width that is not
+    hidden / heads."""
     for tied in (False, True):
-        model = tiny_hf_qwen2(tied, seed=3 + tied, attn_implementation="eager")
+        model = tiny_hf_model(family, tied, seed=3 + tied, attn_implementation="eager")
         _randomize_biases(model)
         model.save_pretrained(tmp_path / f"hf_tied{int(tied)}")
         if kl_type is not None:
-            other = tiny_hf_qwen2(tied, seed=30 + tied, attn_implementation="eager")
+            other = tiny_hf_model(family, tied, seed=30 + tied, attn_implementation="eager")
             _randomize_biases(other)
             other.save_pretrained(tmp_path / f"hf_ref_tied{int(tied)}")
     launch_local(
         reference_worker.dapo_step_with_gradients,
         tp_size * pp_size * dp_size,
-        (str(tmp_path), tp_size, pp_size, dp_size, weighted, False, kl_type),
+        (str(tmp_path), tp_size, pp_size, dp_size, weighted, False, kl_type, family),
     )
     for tied in (False, True):
         stages = [torch.load(tmp_path / f"ref_tied{int(tied)}_stage{s}.pt") for s in range(pp_size)]

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from dapo_megatron.ckpt.convert import megatron_to_hf
-from dapo_megatron.rollout.hf_engine import qwen2_config_for
+from dapo_megatron.rollout.hf_engine import hf_config_for
 from dapo_megatron.runtime.launch import launch_local
 from tests.distributed import actor_worker, layout_worker
 
@@ -27,15 +27,7 @@ def synced(tmp_path_factory):
 def _export_by_the_converter(workdir, checkpoint: str, out: str) -> None:
     """The reference: a checkpoint's weights exported by the checkpoint converter (the
     mapping the sync uses), into ``workdir / out``."""
-    from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape
-
-    model = actor_worker.actor_config(1, 1).model
-    config = qwen2_config_for(
-        Qwen2Shape.from_model_config(model),
-        rms_norm_eps=model.rms_norm_eps,
-        rope_theta=model.rope_theta,
-        max_position_embeddings=model.max_position_embeddings,
-    )
+    config = hf_config_for(actor_worker.actor_config(1, 1).model)
     config.save_pretrained(workdir / "hf_config")
     megatron_to_hf(workdir / checkpoint, workdir / "hf_config", workdir / out, verify=False, progress=False)
 

@@ -325,7 +325,8 @@ def test_hf_shape_conflict_and_unsupported_architecture(tmp_path):
     data = qwen32b_run(tmp_path)
     data["model"]["hf_config"] = str(tmp_path / "llama")
     message = error_of(write_yaml(tmp_path, data, "llama.yaml"))
-    assert "unsupported architecture ['LlamaForCausalLM']" in message and "Qwen2ForCausalLM" in message
+    assert "unsupported model family 'llama' (config.json's model_type)" in message
+    assert "supported: qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM)" in message
 
 
 def test_incomplete_model_shape(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dapo_megatron.ckpt import convert as convert_module
-from dapo_megatron.ckpt import qwen2_mapping
+from dapo_megatron.ckpt import mapping
 from dapo_megatron.ckpt.convert import ConversionError, hf_to_megatron, megatron_to_hf
 from dapo_megatron.ckpt.dcp_io import read_chunk, tensor_shapes
 
@@ -109,7 +109,7 @@ def test_a_wrong_mapping_fails_verification_and_keeps_nothing(tmp_path, monkeypa
     def concatenated(q, k, v, shape):  # HF order instead of Megatron's per-group interleave
         return torch.cat([q, k, v], dim=0)
 
-    monkeypatch.setattr(qwen2_mapping, "interleave_qkv", concatenated)
+    monkeypatch.setattr(mapping, "interleave_qkv", concatenated)
     with pytest.raises(ConversionError, match="verification failed: Megatron and transformers logits differ"):
         hf_to_megatron(hf, tmp_path / "mg", verify=True, progress=False)
     assert not (tmp_path / "mg").exists() and not list(tmp_path.glob("mg*"))
@@ -130,8 +130,8 @@ def test_fp32_to_bf16_conversion_is_verified_exactly(tmp_path, monkeypatch, dire
             assert written[name].dtype == torch.bfloat16 and torch.equal(written[name], tensor.to(torch.bfloat16))
     else:
         report = hf_to_megatron(hf, tmp_path / "out", dtype=torch.bfloat16, verify=True, progress=False)
-        norm = read_chunk(tmp_path / "out", qwen2_mapping.FINAL_NORM, (0,), (64,), torch.bfloat16)
-        assert tensor_shapes(tmp_path / "out")[qwen2_mapping.FINAL_NORM] == ((64,), torch.bfloat16)
+        norm = read_chunk(tmp_path / "out", mapping.FINAL_NORM, (0,), (64,), torch.bfloat16)
+        assert tensor_shapes(tmp_path / "out")[mapping.FINAL_NORM] == ((64,), torch.bfloat16)
         assert torch.equal(norm, original["model.norm.weight"].to(torch.bfloat16))
     assert report.verified and report.max_logit_error < 1e-5
 
@@ -140,7 +140,7 @@ def test_fp32_to_bf16_conversion_is_verified_exactly(tmp_path, monkeypatch, dire
 
     def skewed(key, tensors, shape):
         tensor = mapped(key, tensors, shape)
-        return tensor * 1.01 if key == qwen2_mapping.FINAL_NORM else tensor
+        return tensor * 1.01 if key == mapping.FINAL_NORM else tensor
 
     monkeypatch.setattr(convert_module, "to_megatron", skewed)
     with pytest.raises(ConversionError, match="verification failed"):
@@ -200,7 +200,7 @@ def test_unsupported_architecture(tmp_path):
     config.update(architectures=["LlamaForCausalLM"], model_type="llama")
     (hf / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ConversionError, match=r"unsupported architecture \['LlamaForCausalLM'\]; supported: Qwen2ForCausalLM"
+        ConversionError, match=r"unsupported model family 'llama' .*; supported: qwen2 \(Qwen2ForCausalLM\), qwen3"
     ):
         hf_to_megatron(hf, tmp_path / "mg", progress=False)
 
@@ -261,7 +261,7 @@ def test_existing_output_is_refused_and_overwrite_replaces_only_after_success(tm
     ):
         hf_to_megatron(hf, tmp_path / "mg", progress=False)
     # A failing overwrite leaves the old folder as it was.
-    monkeypatch.setattr(qwen2_mapping, "interleave_qkv", lambda q, k, v, shape: torch.cat([q, k, v]))
+    monkeypatch.setattr(mapping, "interleave_qkv", lambda q, k, v, shape: torch.cat([q, k, v]))
     with pytest.raises(ConversionError, match="verification failed"):
         hf_to_megatron(hf, tmp_path / "mg", overwrite=True, verify=True, progress=False)
     assert (tmp_path / "mg" / "precious.txt").read_text() == "keep me"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dapo_megatron.bench.flops import decode_flops, forward_flops, linear_shapes, train_flops
-from dapo_megatron.ckpt.qwen2_mapping import Qwen2Shape
+from dapo_megatron.ckpt.mapping import ModelShape
 
 
 def test_forward_flops_match_a_hand_count():
@@ -15,7 +15,7 @@ def test_forward_flops_match_a_hand_count():
     # gate+up 2*8*32 = 512; down 2*16*8 = 256; total 1152, x 3 tokens = 3456.
     # Attention: 2 matmuls x 2 FLOPs x d 4 x 2 heads x pairs: causal 6 pairs -> 192,
     # full 9 pairs -> 288. Output layer: 2 * 2 tokens * 8 * 10 = 320.
-    shape = Qwen2Shape(2, 8, 16, 2, 1, 10, tie_word_embeddings=False)
+    shape = ModelShape(2, 8, 16, 2, 1, 10, tie_word_embeddings=False)
     assert forward_flops(shape, [3], 2) == 2 * (3456 + 192) + 320 == 7616
     assert forward_flops(shape, [3], 2, causal=False) == 2 * (3456 + 288) + 320 == 7808
     assert train_flops(shape, [3], 2) == 3 * 7616
@@ -51,7 +51,7 @@ def test_forward_and_backward_flops_equal_torchs_count_of_transformers_qwen2(tie
     model = Qwen2ForCausalLM(config)
     batch, length = 3, 7
     ids = torch.randint(0, 40, (batch, length), generator=torch.Generator().manual_seed(0))
-    shape = Qwen2Shape(2, 32, 48, 4, 2, 40, tied)
+    shape = ModelShape(2, 32, 48, 4, 2, 40, tied)
     expected = forward_flops(shape, [length] * batch, batch * length, causal=False)
     with FlopCounterMode(display=False) as counter:
         model(input_ids=ids)

@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo_megatron.ckpt.qwen2_mapping import (
+from dapo_megatron.ckpt.mapping import (
     EMBEDDING,
     FINAL_NORM,
     OUTPUT_LAYER,
-    Qwen2Shape,
+    ModelShape,
     hf_names_of,
     megatron_layer_key,
     shard_to_hf_pieces,
     to_hf,
 )
 
-SHAPE = Qwen2Shape(
+SHAPE = ModelShape(
     num_layers=1,
     hidden_size=16,
     ffn_hidden_size=24,

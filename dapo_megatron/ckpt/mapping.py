@@ -1,11 +1,15 @@
-"""Qwen2 / Qwen2.5: the one place that knows how HF names and layouts map to Megatron's.
+"""The one place that knows how HF names and layouts map to Megatron's, for every model
+family (``dapo_megatron.models.families``): computed from the family's features, so a
+family adds no code here.
 
 Used by the checkpoint converter in both directions and by weight sync to the rollout
 engines, so a layout mistake cannot hide in one of them. Megatron differs from HF in:
 
 - **QKV** is one fused ``linear_qkv`` whose rows are interleaved per query group: for each
   of the ``num_query_groups`` groups, that group's query heads, then its key head, then
-  its value head (``[q_1 .. q_k, k, v]`` per group). Biases the same way.
+  its value head (``[q_1 .. q_k, k, v]`` per group). Biases (Qwen2) the same way.
+- **q/k norms** (Qwen3): HF ``self_attn.q_norm`` / ``k_norm`` are megatron's
+  ``self_attention.q_layernorm`` / ``k_layernorm``, ``[head_dim]`` each, unsharded.
 - **SwiGLU** ``linear_fc1`` is ``[gate; up]`` (HF ``gate_proj`` then ``up_proj``).
 - **Norms** live on the following linear: ``input_layernorm`` is
   ``linear_qkv.layer_norm_weight``, ``post_attention_layernorm`` is
@@ -25,24 +29,32 @@ from typing import Optional
 
 import torch
 
+from dapo_megatron.models.families import DEFAULT_MODEL_TYPE, family_named
+
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 VOCAB_KEYS = (EMBEDDING, OUTPUT_LAYER)
 
-# Megatron layer parameter -> HF names of layer i (filled with the index).
-LAYER_PARAMS: dict[str, tuple[str, ...]] = {
+QKV_BIAS = "self_attention.linear_qkv.bias"
+QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+
+# Megatron layer parameter -> HF names of layer i (filled with the index); those a family
+# lacks are dropped by :func:`layer_params`.
+_ALL_LAYER_PARAMS: dict[str, tuple[str, ...]] = {
     "self_attention.linear_qkv.layer_norm_weight": ("model.layers.{i}.input_layernorm.weight",),
     "self_attention.linear_qkv.weight": (
         "model.layers.{i}.self_attn.q_proj.weight",
         "model.layers.{i}.self_attn.k_proj.weight",
         "model.layers.{i}.self_attn.v_proj.weight",
     ),
-    "self_attention.linear_qkv.bias": (
+    QKV_BIAS: (
         "model.layers.{i}.self_attn.q_proj.bias",
         "model.layers.{i}.self_attn.k_proj.bias",
         "model.layers.{i}.self_attn.v_proj.bias",
     ),
+    QK_NORMS[0]: ("model.layers.{i}.self_attn.q_norm.weight",),
+    QK_NORMS[1]: ("model.layers.{i}.self_attn.k_norm.weight",),
     "self_attention.linear_proj.weight": ("model.layers.{i}.self_attn.o_proj.weight",),
     "mlp.linear_fc1.layer_norm_weight": ("model.layers.{i}.post_attention_layernorm.weight",),
     "mlp.linear_fc1.weight": ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
@@ -51,8 +63,8 @@ LAYER_PARAMS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
-class Qwen2Shape:
-    """The dimensions the mapping needs (from the HF config)."""
+class ModelShape:
+    """The dimensions and features the mapping needs (from the HF config and the family)."""
 
     num_layers: int
     hidden_size: int
@@ -61,20 +73,37 @@ class Qwen2Shape:
     num_query_groups: int
     vocab_size: int
     tie_word_embeddings: bool
+    head_dim: Optional[int] = None
+    """Width of one head; ``hidden_size / num_attention_heads`` when not given."""
+    qkv_bias: bool = True
+    qk_norm: bool = False
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
     @classmethod
-    def from_model_config(cls, model) -> Qwen2Shape:
-        """From a resolved :class:`dapo_megatron.config.ModelConfig` (or a dict of its fields)."""
-        get = model.get if isinstance(model, dict) else lambda name: getattr(model, name)
-        return cls(**{name: get(name) for name in cls.__dataclass_fields__})
+    def from_model_config(cls, model) -> ModelShape:
+        """From a resolved :class:`dapo_megatron.config.ModelConfig` (or a dict of its fields);
+        the features come from its family."""
+        get = model.get if isinstance(model, dict) else lambda name: getattr(model, name, None)
+        family = family_named(get("family") or DEFAULT_MODEL_TYPE)
+        fields = {name: get(name) for name in cls.__dataclass_fields__ if name not in ("qkv_bias", "qk_norm")}
+        return cls(**fields, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm)
+
+
+def layer_params(shape: ModelShape) -> dict[str, tuple[str, ...]]:
+    """Megatron layer parameter -> HF names of layer ``{i}``, for ``shape``'s family."""
+    absent = set()
+    if not shape.qkv_bias:
+        absent.add(QKV_BIAS)
+    if not shape.qk_norm:
+        absent.update(QK_NORMS)
+    return {name: hf for name, hf in _ALL_LAYER_PARAMS.items() if name not in absent}
 
 
 # Megatron's local layer spec names the two norms after their modules; the Transformer
@@ -95,20 +124,22 @@ def megatron_layer_key(name: str) -> str:
     return f"decoder.layers.{name}"
 
 
-def megatron_shapes(shape: Qwen2Shape) -> dict[str, tuple[int, ...]]:
+def megatron_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Global shape of every Megatron checkpoint tensor (vocabulary unpadded)."""
     d, h, f = shape.head_dim, shape.hidden_size, shape.ffn_hidden_size
     qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * d
     per_layer = {
         "self_attention.linear_qkv.layer_norm_weight": (h,),
         "self_attention.linear_qkv.weight": (qkv_rows, h),
-        "self_attention.linear_qkv.bias": (qkv_rows,),
+        QKV_BIAS: (qkv_rows,),
+        QK_NORMS[0]: (d,),
+        QK_NORMS[1]: (d,),
         "self_attention.linear_proj.weight": (h, shape.num_attention_heads * d),
         "mlp.linear_fc1.layer_norm_weight": (h,),
         "mlp.linear_fc1.weight": (2 * f, h),
         "mlp.linear_fc2.weight": (h, f),
     }
-    shapes = {megatron_layer_key(k): (shape.num_layers, *v) for k, v in per_layer.items()}
+    shapes = {megatron_layer_key(k): (shape.num_layers, *per_layer[k]) for k in layer_params(shape)}
     shapes[EMBEDDING] = (shape.vocab_size, h)
     shapes[FINAL_NORM] = (h,)
     if not shape.tie_word_embeddings:
@@ -116,11 +147,11 @@ def megatron_shapes(shape: Qwen2Shape) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_shapes(shape: Qwen2Shape) -> dict[str, tuple[int, ...]]:
+def hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of the model and its shape."""
     d, h, f = shape.head_dim, shape.hidden_size, shape.ffn_hidden_size
     q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
-    per_layer = {
+    sizes = {
         "model.layers.{i}.input_layernorm.weight": (h,),
         "model.layers.{i}.self_attn.q_proj.weight": (q, h),
         "model.layers.{i}.self_attn.k_proj.weight": (kv, h),
@@ -128,13 +159,16 @@ def hf_shapes(shape: Qwen2Shape) -> dict[str, tuple[int, ...]]:
         "model.layers.{i}.self_attn.q_proj.bias": (q,),
         "model.layers.{i}.self_attn.k_proj.bias": (kv,),
         "model.layers.{i}.self_attn.v_proj.bias": (kv,),
+        "model.layers.{i}.self_attn.q_norm.weight": (d,),
+        "model.layers.{i}.self_attn.k_norm.weight": (d,),
         "model.layers.{i}.self_attn.o_proj.weight": (h, q),
         "model.layers.{i}.post_attention_layernorm.weight": (h,),
         "model.layers.{i}.mlp.gate_proj.weight": (f, h),
         "model.layers.{i}.mlp.up_proj.weight": (f, h),
         "model.layers.{i}.mlp.down_proj.weight": (h, f),
     }
-    shapes = {name.format(i=i): s for i in range(shape.num_layers) for name, s in per_layer.items()}
+    per_layer = [name for names in layer_params(shape).values() for name in names]
+    shapes = {name.format(i=i): sizes[name] for i in range(shape.num_layers) for name in per_layer}
     shapes["model.embed_tokens.weight"] = (shape.vocab_size, h)
     shapes["model.norm.weight"] = (h,)
     if not shape.tie_word_embeddings:
@@ -151,12 +185,12 @@ def hf_names_of(megatron_key: str, layer: int | None = None) -> tuple[str, ...]:
     if megatron_key == FINAL_NORM:
         return ("model.norm.weight",)
     name = megatron_key.removeprefix("decoder.layers.")
-    if name not in LAYER_PARAMS or layer is None:
+    if name not in _ALL_LAYER_PARAMS or layer is None:
         raise KeyError(f"no HF mapping for Megatron tensor {megatron_key!r} (layer {layer})")
-    return tuple(n.format(i=layer) for n in LAYER_PARAMS[name])
+    return tuple(n.format(i=layer) for n in _ALL_LAYER_PARAMS[name])
 
 
-def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Qwen2Shape) -> torch.Tensor:
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     """HF q/k/v (weights ``[rows, hidden]`` or biases ``[rows]``) -> Megatron's grouped QKV."""
     groups, per_group, d = shape.num_query_groups, shape.heads_per_group, shape.head_dim
     tail = q.shape[1:]
@@ -172,7 +206,7 @@ def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Qwe
 
 
 def split_qkv(
-    fused: torch.Tensor, shape: Qwen2Shape, out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    fused: torch.Tensor, shape: ModelShape, out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Megatron's grouped QKV -> HF q, k, v (contiguous).
 
@@ -192,7 +226,7 @@ def split_qkv(
     return tuple(torch.index_select(fused, 0, index, out=buffer) for index, buffer in zip(indices, out))
 
 
-def to_megatron(megatron_key: str, hf_tensors: list[torch.Tensor], shape: Qwen2Shape) -> torch.Tensor:
+def to_megatron(megatron_key: str, hf_tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
     """One Megatron tensor (one layer's slice, unstacked) from its HF tensors, in
     :func:`hf_names_of` order."""
     if megatron_key.endswith("linear_qkv.weight") or megatron_key.endswith("linear_qkv.bias"):
@@ -206,7 +240,7 @@ def to_megatron(megatron_key: str, hf_tensors: list[torch.Tensor], shape: Qwen2S
 def to_hf(
     megatron_key: str,
     tensor: torch.Tensor,
-    shape: Qwen2Shape,
+    shape: ModelShape,
     layer: int | None = None,
     buffers: Optional[dict[str, torch.Tensor]] = None,
 ) -> dict[str, torch.Tensor]:
@@ -230,11 +264,11 @@ def to_hf(
     return {names[0]: tensor.contiguous()}
 
 
-def megatron_tensor_order(shape: Qwen2Shape) -> list[tuple[str, int | None]]:
+def megatron_tensor_order(shape: ModelShape) -> list[tuple[str, int | None]]:
     """``(megatron_key, layer)`` pairs in model order: embedding, layers, final norm, output."""
     order: list[tuple[str, int | None]] = [(EMBEDDING, None)]
     for i in range(shape.num_layers):
-        order.extend((megatron_layer_key(name), i) for name in LAYER_PARAMS)
+        order.extend((megatron_layer_key(name), i) for name in layer_params(shape))
     order.append((FINAL_NORM, None))
     if not shape.tie_word_embeddings:
         order.append((OUTPUT_LAYER, None))
@@ -244,7 +278,7 @@ def megatron_tensor_order(shape: Qwen2Shape) -> list[tuple[str, int | None]]:
 def shard_to_hf_pieces(
     megatron_key: str,
     shard: torch.Tensor,
-    shape: Qwen2Shape,
+    shape: ModelShape,
     layer: int | None,
     tp_rank: int,
     tp_size: int,

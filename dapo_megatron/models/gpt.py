@@ -1,12 +1,14 @@
-"""Build megatron-core's GPTModel for the Qwen2 / Qwen2.5 family.
+"""Build megatron-core's GPTModel for any supported model family.
 
-Qwen2 is a Llama-style decoder with three details that matter for exactness: a bias on
-the fused QKV projection (and nowhere else), RMSNorm with the checkpoint's epsilon, and a
-RoPE base of 1e6 for Qwen2.5. This module turns a :class:`ModelConfig` (filled from the
-HF ``config.json``) into megatron's ``TransformerConfig`` and a ``GPTModel`` for this
-rank's pipeline stage, using Transformer Engine layer specs on a GPU with TE and
-megatron's local spec otherwise. The vocabulary is padded to a multiple of
-``make_vocab_size_divisible_by * tp_size`` as megatron expects.
+The families (``dapo_megatron.models.families``) are Llama-style decoders that differ in
+features this module turns into megatron settings: a bias on the fused QKV projection
+(Qwen2), per-head q/k RMSNorm (Qwen3, megatron's ``qk_layernorm``), the head width
+(``kv_channels``); and, for all, RMSNorm with the checkpoint's epsilon and the RoPE base
+of the HF config. A :class:`ModelConfig` (filled from the HF ``config.json``) becomes
+megatron's ``TransformerConfig`` and a ``GPTModel`` for this rank's pipeline stage, using
+Transformer Engine layer specs on a GPU with TE and megatron's local spec otherwise. The
+vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * tp_size`` as
+megatron expects.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dapo_megatron.config import ModelConfig, ParallelConfig, padded_vocab_size
+from dapo_megatron.models.families import family_named
 
 
 def params_dtype(model: ModelConfig, device_type: str) -> torch.dtype:
@@ -41,24 +44,26 @@ def use_transformer_engine(model: ModelConfig, device_type: str) -> bool:
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, device_type: str):
-    """megatron ``TransformerConfig`` for a Qwen2 model under ``parallel``."""
+    """megatron ``TransformerConfig`` for ``model`` (of any family) under ``parallel``."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = params_dtype(model, device_type)
     use_te = use_transformer_engine(model, device_type)
+    family = family_named(model.family)
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
-        kv_channels=model.hidden_size // model.num_attention_heads,
+        kv_channels=model.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=model.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=True,
+        add_qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
@@ -151,7 +156,7 @@ def output_weight(gpt) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
-def build_qwen2_model(
+def build_model(
     model: ModelConfig,
     parallel: ParallelConfig,
     device_type: str,
@@ -176,9 +181,9 @@ def build_qwen2_model(
 
     config = transformer_config(model, parallel, device_type)
     if use_transformer_engine(model, device_type):
-        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
