@@ -105,7 +105,7 @@ def main() -> None:
     results = {
         "machine": f"{cpu_model()}, {os.cpu_count()} cores",
         "date": time.strftime("%Y-%m-%d"),
-        "command": "python benchmarks/bench_rehearsal.py " + " ".join(f"--only {o}" for o in args.only),
+        "command": "python benchmarks/bench_rehearsal.py --only " + " ".join(args.only),
         "ray_alone": {
             "nodes": recipe.parallel.num_nodes,
             "actors": members,
