@@ -24,6 +24,7 @@ on a GPU against the device's published peak (MFU).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -445,7 +446,7 @@ def run_bench(config: Config, options: BenchOptions) -> dict:
             "engine": config.rollout.engine,
             "colocate": config.rollout.colocate,
         },
-        "model": {k: getattr(config.model, k) for k in ModelShape.__dataclass_fields__},
+        "model": {"family": config.model.family, **dataclasses.asdict(ModelShape.from_model_config(config.model))},
         "steps": options.steps,
         "warmup": options.warmup,
         **options.extra,

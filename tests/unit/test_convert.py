@@ -75,6 +75,60 @@ def test_round_trip_is_bitwise(tmp_path, tied, vocab, dtype):
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
+def make_hf_qwen3(path: Path, *, tied: bool, seed: int = 0) -> Path:
+    """A tiny random Qwen3ForCausalLM (head_dim 16, not hidden / heads = 8), its q/k
+    norms away from 1 so a mapping mistake in them cannot hide."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=tied,
+        max_position_embeddings=128,
+    )
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_round_trip_is_bitwise_and_verified(tmp_path, tied):
+    hf = make_hf_qwen3(tmp_path / "hf", tied=tied)
+    report = hf_to_megatron(hf, tmp_path / "mg", verify=True, progress=False)
+    assert report.verified and report.max_logit_error < 1e-5
+    stored = tensor_shapes(tmp_path / "mg")
+    assert stored["decoder.layers.self_attention.q_layernorm.weight"] == ((2, 16), torch.float32)
+    assert stored["decoder.layers.self_attention.linear_qkv.weight"] == ((2, (8 + 2 * 2) * 16, 64), torch.float32)
+    assert "decoder.layers.self_attention.linear_qkv.bias" not in stored
+    megatron_to_hf(tmp_path / "mg", hf, tmp_path / "back", verify=True, progress=False)
+    original, converted = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert sorted(original) == sorted(converted)
+    assert all(torch.equal(converted[name], tensor) for name, tensor in original.items())
+
+
+def test_a_swapped_qwen3_qk_norm_fails_verification(tmp_path, monkeypatch):
+    hf = make_hf_qwen3(tmp_path / "hf", tied=False)
+    swapped = dict(mapping._ALL_LAYER_PARAMS)
+    swapped[mapping.QK_NORMS[0]], swapped[mapping.QK_NORMS[1]] = (
+        swapped[mapping.QK_NORMS[1]],
+        swapped[mapping.QK_NORMS[0]],
+    )
+    monkeypatch.setattr(mapping, "_ALL_LAYER_PARAMS", swapped)
+    with pytest.raises(ConversionError, match="verification failed"):
+        hf_to_megatron(hf, tmp_path / "mg", verify=True, progress=False)
+    assert not (tmp_path / "mg").exists()
+
+
 def test_qkv_layout_is_grouped_per_query_group(tmp_path):
     hf = make_hf(tmp_path / "hf", layers=1)
     hf_to_megatron(hf, tmp_path / "mg", verify=False, progress=False)
