@@ -103,7 +103,7 @@ def _stage_params_in_order(actor) -> list[tuple[str, str, Optional[int]]]:
     """This pipeline stage's parameters in model order as ``(megatron_key, parameter
     name, global layer index or None)``: embedding, layers, final norm, output layer."""
     gpt = actor.gpt
-    shape = ModelShape.from_model_config(actor.model_config)
+    mapped = layer_params(ModelShape.from_model_config(actor.model_config))
     params = [name for name, _ in gpt.named_parameters()]
     order: list[tuple[str, str, Optional[int]]] = []
     if gpt.pre_process:
@@ -112,7 +112,7 @@ def _stage_params_in_order(actor) -> list[tuple[str, str, Optional[int]]]:
         prefix = f"decoder.layers.{local_index}."
         for name in sorted(n[len(prefix) :] for n in params if n.startswith(prefix)):
             canonical = canonical_layer_param(name)
-            if canonical not in layer_params(shape):
+            if canonical not in mapped:
                 raise WeightSyncError(f"no HF mapping for actor parameter {prefix}{name}")
             order.append((megatron_layer_key(canonical), prefix + name, layer.layer_number - 1))
     if gpt.post_process:
