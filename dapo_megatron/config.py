@@ -21,7 +21,6 @@ else of the package is imported.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -31,64 +30,18 @@ from typing import Any, Literal, Optional
 import yaml
 
 from dapo_megatron.config_io import COMMAND_LINE, ConfigError, apply_override, build_dataclass
-from dapo_megatron.models.families import DEFAULT_MODEL_TYPE, families
+from dapo_megatron.model_config import (  # noqa: F401  (re-exported: the config's public names)
+    _SHAPE_FIELDS,
+    MOE_FIELDS,
+    ModelConfig,
+    moe_layers,
+    padded_vocab_size,
+    read_hf_model_shape,
+    resolve_model_shape,
+)
+from dapo_megatron.models.families import families, family_named
 
 # --------------------------------------------------------------------------- sections
-
-
-@dataclass
-class ModelConfig:
-    """The policy model: a decoder of a supported family (``dapo_megatron.models.families``:
-    Qwen2 / Qwen2.5, Qwen3), described by its HF config or by hand."""
-
-    hf_config: Optional[str] = None
-    """Path to an HF ``config.json`` (or the folder holding it) of a supported family. Shape
-    fields left unset below are read from it; a shape field set here that disagrees with it
-    is an error."""
-    hf_weights: Optional[str] = None
-    """Folder of the HF safetensors the run starts from (converted on load, unless
-    ``checkpoint.load_dir`` is set) and of the default tokenizer; defaults to
-    ``model.hf_config``'s folder. Lets a config carry its model shape without the weights
-    being there yet (the demo's base model is written by its prepare step)."""
-    family: Optional[str] = None
-    """The model family, as HF ``config.json`` names it in ``model_type`` (``qwen2``,
-    ``qwen3``); read from ``model.hf_config``; ``qwen2`` for a shape given by hand."""
-    num_layers: Optional[int] = None
-    """Number of transformer layers (HF ``num_hidden_layers``)."""
-    hidden_size: Optional[int] = None
-    """Width of the residual stream (HF ``hidden_size``)."""
-    ffn_hidden_size: Optional[int] = None
-    """Width of the SwiGLU MLP (HF ``intermediate_size``)."""
-    num_attention_heads: Optional[int] = None
-    """Number of query heads (HF ``num_attention_heads``)."""
-    num_query_groups: Optional[int] = None
-    """Number of key/value heads for grouped-query attention (HF ``num_key_value_heads``)."""
-    head_dim: Optional[int] = None
-    """Width of one attention head (HF ``head_dim``); ``hidden_size / num_attention_heads``
-    when the HF config has none (Qwen2)."""
-    vocab_size: Optional[int] = None
-    """Vocabulary size of the checkpoint, before Megatron's padding (HF ``vocab_size``)."""
-    max_position_embeddings: Optional[int] = None
-    """Longest sequence the RoPE tables are built for (HF ``max_position_embeddings``)."""
-    rms_norm_eps: Optional[float] = None
-    """Epsilon of every RMSNorm (HF ``rms_norm_eps``)."""
-    rope_theta: Optional[float] = None
-    """RoPE base frequency (HF ``rope_theta``, or ``rope_parameters.rope_theta``)."""
-    tie_word_embeddings: Optional[bool] = None
-    """Whether the output layer shares the input embedding matrix."""
-    make_vocab_size_divisible_by: int = 128
-    """The vocabulary is padded to a multiple of this times ``parallel.tp_size``; padded
-    entries never produce a token or a log-prob."""
-    params_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Parameter dtype: ``auto`` is bfloat16 on GPU (fp32 main weights in the optimizer)
-    and float32 on CPU."""
-    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
-    """Layer implementation: Transformer Engine kernels when available on a GPU (``auto``),
-    or megatron's local spec."""
-    fp8: bool = False
-    """Use Transformer Engine fp8 GEMMs (GPU with TE only)."""
-    recompute_activations: bool = False
-    """Recompute each layer's activations in backward to save memory."""
 
 
 @dataclass
@@ -111,6 +64,11 @@ class ParallelConfig:
     """Data-parallel size; when unset it is the world size divided by tp*pp*cp."""
     cp_size: int = 1
     """Context-parallel size: splits long sequences."""
+    ep_size: int = 1
+    """Expert-parallel size (mixture-of-experts families): splits each layer's experts
+    over this many ranks, carved out of the tp x cp x dp ranks of a pipeline stage (each
+    expert whole on its rank: expert-tensor-parallel size 1), tokens exchanged by an
+    all-to-all. Must divide ``model.num_experts`` and ``tp_size * cp_size * dp_size``."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside tensor-parallel regions (needs tp_size > 1)."""
     num_layers_in_first_pipeline_stage: Optional[int] = None
@@ -509,25 +467,6 @@ def source_of(config: Config, *keys: str) -> str:
 # --------------------------------------------------------------------------- model shape
 
 
-# ModelConfig field -> HF config.json key.
-_HF_KEYS = {
-    "family": "model_type",
-    "num_layers": "num_hidden_layers",
-    "hidden_size": "hidden_size",
-    "ffn_hidden_size": "intermediate_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "vocab_size": "vocab_size",
-    "max_position_embeddings": "max_position_embeddings",
-    "rms_norm_eps": "rms_norm_eps",
-    "rope_theta": "rope_theta",
-    "tie_word_embeddings": "tie_word_embeddings",
-}
-
-_SHAPE_FIELDS = tuple(_HF_KEYS)
-
-
 class _Where:
     """Tells where the values of some dotted keys came from: the file, the command line, or
     both. Keys left at their defaults or read from the model's ``config.json`` (which the
@@ -566,91 +505,6 @@ def hf_weights_folder(model: ModelConfig) -> Optional[Path]:
     if model.hf_weights is not None:
         return Path(model.hf_weights)
     return hf_model_folder(model.hf_config)
-
-
-def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
-    """Read the model shape from the HF ``config.json`` (file or folder) of a supported family.
-
-    Returns a dict keyed by :class:`ModelConfig` field names. Handles both spellings of
-    the RoPE base: top-level ``rope_theta`` (transformers 4.x, released Qwen2.5) and
-    ``rope_parameters.rope_theta`` (transformers 5.x).
-    """
-    path = Path(hf_config)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        hf = json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"model.hf_config={str(hf_config)!r}: cannot read {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"model.hf_config={str(hf_config)!r}: {path} is not valid JSON: {exc}") from None
-    known = families()
-    model_type = hf.get("model_type")
-    if model_type not in known:
-        supported = ", ".join(f"{f.model_type} ({f.architecture})" for f in known.values())
-        raise ConfigError(
-            f"model.hf_config={str(hf_config)!r}: unsupported model family "
-            f"{model_type or hf.get('architectures')!r} (config.json's model_type); supported: {supported}"
-        )
-    shape: dict[str, Any] = {}
-    for name, key in _HF_KEYS.items():
-        value = hf.get(key)
-        if name == "head_dim" and value is None and hf.get("num_attention_heads"):
-            value = hf.get("hidden_size", 0) // hf["num_attention_heads"]
-        if name == "rope_theta" and value is None:
-            value = (hf.get("rope_parameters") or {}).get("rope_theta")
-        if name == "num_query_groups" and value is None:
-            value = hf.get("num_attention_heads")
-        if name == "tie_word_embeddings" and value is None:
-            value = False
-        if value is None:
-            raise ConfigError(f"model.hf_config={str(hf_config)!r}: {path} has no {key!r}")
-        shape[name] = value
-    shape["rms_norm_eps"] = float(shape["rms_norm_eps"])
-    shape["rope_theta"] = float(shape["rope_theta"])
-    return shape
-
-
-def resolve_model_shape(model: ModelConfig, where: Any = None) -> None:
-    """Fill unset shape fields of ``model`` from its HF config; refuse disagreements."""
-    where = where or (lambda *keys: "config")
-    if model.hf_config is not None:
-        try:
-            shape = read_hf_model_shape(model.hf_config)
-        except ConfigError as exc:
-            source = where("model.hf_config")
-            hint = (
-                ""
-                if source in ("config", COMMAND_LINE)
-                else " (relative paths in a config file are relative to its folder)"
-            )
-            raise ConfigError(f"{source}: {exc}{hint}") from None
-        for name, value in shape.items():
-            current = getattr(model, name)
-            if current is None:
-                setattr(model, name, value)
-            elif current != value:
-                raise ConfigError(
-                    f"{where('model.' + name)}: model.{name}={current!r} disagrees with "
-                    f"{_HF_KEYS[name]}={value!r} in model.hf_config={model.hf_config!r}; "
-                    f"remove model.{name} or point model.hf_config at the right model"
-                )
-    if model.family is None:
-        model.family = DEFAULT_MODEL_TYPE
-    if model.head_dim is None and model.hidden_size and model.num_attention_heads:
-        model.head_dim = model.hidden_size // model.num_attention_heads
-    missing = [name for name in _SHAPE_FIELDS if getattr(model, name) is None and name != "head_dim"]
-    if missing:
-        raise ConfigError(
-            f"{where('model.hf_config')}: model shape incomplete: {', '.join('model.' + m for m in missing)} "
-            f"unset; set model.hf_config to an HF config.json or give them explicitly"
-        )
-
-
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
-    """Vocabulary size after Megatron's padding to a multiple of ``divisor * tp_size``."""
-    multiple = make_vocab_size_divisible_by * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 # --------------------------------------------------------------------------- validation
@@ -711,14 +565,20 @@ def _validate_ranges(config: Config, fail) -> None:
         "pp_size",
         "dp_size",
         "cp_size",
+        "ep_size",
         "timeout_minutes",
     )
     positive(
         m,
         "model",
         *[n for n in _SHAPE_FIELDS if n not in ("family", "rms_norm_eps", "rope_theta", "tie_word_embeddings")],
+        *[n for n in MOE_FIELDS if n not in ("moe_norm_topk_prob", "mlp_only_layers")],
         "make_vocab_size_divisible_by",
     )
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        value = getattr(m, name)
+        if value is not None and value < 0:
+            fail((f"model.{name}",), f"model.{name}={value} must be >= 0 (0 turns the loss off)")
     positive(
         r,
         "rollout",
@@ -806,6 +666,7 @@ def _validate_layout(config: Config, fail) -> None:
             f"tp_size*pp_size*dp_size*cp_size={p.tp_size}*{p.pp_size}*{p.dp_size}*{p.cp_size}"
             f"={model_parallel * p.dp_size}{hint}",
         )
+    _validate_experts(config, fail)
     if p.sequence_parallel and p.tp_size == 1:
         fail(("parallel.sequence_parallel",), "parallel.sequence_parallel=true needs parallel.tp_size > 1")
     if p.sequence_parallel and (p.device == "cpu" or m.transformer_impl == "local"):
@@ -873,6 +734,55 @@ def _validate_layout(config: Config, fail) -> None:
         fail(
             ("model.transformer_impl", "model.fp8"),
             f"model.transformer_impl={m.transformer_impl} / model.fp8={m.fp8} need a GPU but parallel.device=cpu",
+        )
+
+
+def _validate_experts(config: Config, fail) -> None:
+    """The mixture-of-experts shape and ``parallel.ep_size`` against it and the layout."""
+    m, p = config.model, config.parallel
+    if m.family not in families() or not family_named(m.family).moe:
+        if p.ep_size != 1:
+            fail(
+                ("parallel.ep_size", "model.hf_config"),
+                f"parallel.ep_size={p.ep_size} needs a mixture-of-experts model, but model.family={m.family!r} "
+                f"has no experts; set parallel.ep_size=1",
+            )
+        return
+    if m.moe_router_topk > m.num_experts:
+        fail(
+            ("model.moe_router_topk", "model.num_experts"),
+            f"model.moe_router_topk={m.moe_router_topk} exceeds model.num_experts={m.num_experts}",
+        )
+    out_of_range = [i for i in m.mlp_only_layers if not 0 <= i < m.num_layers]
+    if out_of_range:
+        fail(
+            ("model.mlp_only_layers",),
+            f"model.mlp_only_layers={m.mlp_only_layers} names layers {out_of_range} outside 0..{m.num_layers - 1}",
+        )
+    if not all(moe_layers(m)):
+        # Megatron stores the layers of such a model under per-layer checkpoint keys, which
+        # the converter and the weight sync do not write yet; every released Qwen3-MoE
+        # model has experts in every layer.
+        fail(
+            ("model.mlp_only_layers", "model.decoder_sparse_step"),
+            f"model.mlp_only_layers={m.mlp_only_layers} / model.decoder_sparse_step={m.decoder_sparse_step} "
+            "leave some layers dense; only models with experts in every layer are supported "
+            "(mlp_only_layers=[] and decoder_sparse_step=1, as in every released Qwen3-MoE)",
+        )
+    if m.num_experts % p.ep_size:
+        fail(
+            ("parallel.ep_size", "model.num_experts"),
+            f"parallel.ep_size={p.ep_size} must divide model.num_experts={m.num_experts}"
+            + _nearest(_divisors(m.num_experts), p.ep_size, "parallel.ep_size"),
+        )
+    stage_ranks = p.tp_size * p.cp_size * data_parallel_size(p)
+    if stage_ranks % p.ep_size:
+        valid = [e for e in _divisors(m.num_experts) if stage_ranks % e == 0]
+        fail(
+            ("parallel.ep_size", "parallel.tp_size", "parallel.dp_size", "parallel.num_devices_per_node"),
+            f"parallel.ep_size={p.ep_size} must divide the ranks of a pipeline stage, "
+            f"tp_size*cp_size*dp_size={p.tp_size}*{p.cp_size}*{data_parallel_size(p)}={stage_ranks}"
+            + _nearest(valid, p.ep_size, "parallel.ep_size"),
         )
 
 

@@ -204,7 +204,7 @@ def hf_to_megatron(
     global_shapes = megatron_shapes(shape)
     chunks = []
     for key, layer in megatron_tensor_order(shape):
-        names = hf_names_of(key, layer)
+        names = hf_names_of(key, layer, shape)
         out_dtype = dtype or _torch_dtype(hf.dtypes[names[0]])
         full = global_shapes[key]
         offsets, sizes = _region(full, layer)
@@ -336,7 +336,7 @@ def megatron_to_hf(
     groups = []
     for key, layer in megatron_tensor_order(shape):
         out_dtype = dtype or stored[key][1]
-        groups.append(((key, layer), [(n, names_to_shapes[n], out_dtype) for n in hf_names_of(key, layer)]))
+        groups.append(((key, layer), [(n, names_to_shapes[n], out_dtype) for n in hf_names_of(key, layer, shape)]))
     shards: list[list] = [[]]
     shard_bytes = 0
     for group in groups:

@@ -20,10 +20,19 @@ engines, so a layout mistake cannot hide in one of them. Megatron differs from H
   store the HF rows only (Megatron's embedding and output layer load with a shape
   mismatch allowed, zero-filling padding); converting back strips any padding.
 - **Tied embeddings**: no ``output_layer.weight`` and no ``lm_head.weight``.
+- **Experts** (Qwen3-MoE): the router ``mlp.router.weight`` is HF ``mlp.gate.weight``;
+  megatron stores each layer's experts as one tensor with the expert as the second axis
+  (``decoder.layers.mlp.experts.experts.linear_fc1.weight``: ``[num_layers, num_experts,
+  2 * moe_ffn, hidden]``, each expert ``[gate; up]``), HF as one tensor per expert
+  (``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``). A rank holds the experts
+  of its expert-parallel rank, ``ep_rank * local + j`` for its ``j``-th local one, under
+  ``mlp.experts.local_experts.{j}.linear_fc1.weight`` (sequential experts) or
+  ``mlp.experts.linear_fc1.weight{j}`` (grouped GEMM).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +47,12 @@ VOCAB_KEYS = (EMBEDDING, OUTPUT_LAYER)
 
 QKV_BIAS = "self_attention.linear_qkv.bias"
 QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+ROUTER = "mlp.router.weight"
+EXPERT_FC1 = "mlp.experts.experts.linear_fc1.weight"
+EXPERT_FC2 = "mlp.experts.experts.linear_fc2.weight"
+EXPERT_PARAMS = (EXPERT_FC1, EXPERT_FC2)
+"""Layer parameters with one slice per expert (the expert is their first axis)."""
 
 # Megatron layer parameter -> HF names of layer i (filled with the index); those a family
 # lacks are dropped by :func:`layer_params`.
@@ -59,6 +74,13 @@ _ALL_LAYER_PARAMS: dict[str, tuple[str, ...]] = {
     "mlp.linear_fc1.layer_norm_weight": ("model.layers.{i}.post_attention_layernorm.weight",),
     "mlp.linear_fc1.weight": ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
     "mlp.linear_fc2.weight": ("model.layers.{i}.mlp.down_proj.weight",),
+    ROUTER: ("model.layers.{i}.mlp.gate.weight",),
+    # Of each expert {e}, in expert order.
+    EXPERT_FC1: (
+        "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+        "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    ),
+    EXPERT_FC2: ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",),
 }
 
 
@@ -77,6 +99,10 @@ class ModelShape:
     """Width of one head; ``hidden_size / num_attention_heads`` when not given."""
     qkv_bias: bool = True
     qk_norm: bool = False
+    num_experts: int = 0
+    """Routed experts per layer; 0 for a dense model (a SwiGLU MLP of ``ffn_hidden_size``)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of one expert's SwiGLU MLP."""
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -92,8 +118,12 @@ class ModelShape:
         the features come from its family."""
         get = model.get if isinstance(model, dict) else lambda name: getattr(model, name, None)
         family = family_named(get("family") or DEFAULT_MODEL_TYPE)
-        fields = {name: get(name) for name in cls.__dataclass_fields__ if name not in ("qkv_bias", "qk_norm")}
-        return cls(**fields, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm)
+        features = ("qkv_bias", "qk_norm", "num_experts", "moe_ffn_hidden_size")
+        fields = {name: get(name) for name in cls.__dataclass_fields__ if name not in features}
+        experts = (
+            {"num_experts": get("num_experts"), "moe_ffn_hidden_size": get("moe_ffn_hidden_size")} if family.moe else {}
+        )
+        return cls(**fields, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, **experts)
 
 
 def layer_params(shape: ModelShape) -> dict[str, tuple[str, ...]]:
@@ -103,6 +133,7 @@ def layer_params(shape: ModelShape) -> dict[str, tuple[str, ...]]:
         absent.add(QKV_BIAS)
     if not shape.qk_norm:
         absent.update(QK_NORMS)
+    absent.update(DENSE_MLP if shape.num_experts else (ROUTER, *EXPERT_PARAMS))
     return {name: hf for name, hf in _ALL_LAYER_PARAMS.items() if name not in absent}
 
 
@@ -138,6 +169,9 @@ def megatron_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         "mlp.linear_fc1.layer_norm_weight": (h,),
         "mlp.linear_fc1.weight": (2 * f, h),
         "mlp.linear_fc2.weight": (h, f),
+        ROUTER: (shape.num_experts, h),
+        EXPERT_FC1: (shape.num_experts, 2 * (shape.moe_ffn_hidden_size or 0), h),
+        EXPERT_FC2: (shape.num_experts, h, shape.moe_ffn_hidden_size or 0),
     }
     shapes = {megatron_layer_key(k): (shape.num_layers, *per_layer[k]) for k in layer_params(shape)}
     shapes[EMBEDDING] = (shape.vocab_size, h)
@@ -166,9 +200,17 @@ def hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         "model.layers.{i}.mlp.gate_proj.weight": (f, h),
         "model.layers.{i}.mlp.up_proj.weight": (f, h),
         "model.layers.{i}.mlp.down_proj.weight": (h, f),
+        "model.layers.{i}.mlp.gate.weight": (shape.num_experts, h),
+        "model.layers.{i}.mlp.experts.{e}.gate_proj.weight": (shape.moe_ffn_hidden_size, h),
+        "model.layers.{i}.mlp.experts.{e}.up_proj.weight": (shape.moe_ffn_hidden_size, h),
+        "model.layers.{i}.mlp.experts.{e}.down_proj.weight": (h, shape.moe_ffn_hidden_size),
     }
-    per_layer = [name for names in layer_params(shape).values() for name in names]
-    shapes = {name.format(i=i): sizes[name] for i in range(shape.num_layers) for name in per_layer}
+    shapes = {}
+    for i in range(shape.num_layers):
+        for key in layer_params(shape):
+            for name in _ALL_LAYER_PARAMS[key]:
+                for e in range(shape.num_experts) if key in EXPERT_PARAMS else (None,):
+                    shapes[name.format(i=i, e=e)] = sizes[name]
     shapes["model.embed_tokens.weight"] = (shape.vocab_size, h)
     shapes["model.norm.weight"] = (h,)
     if not shape.tie_word_embeddings:
@@ -176,8 +218,12 @@ def hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_names_of(megatron_key: str, layer: int | None = None) -> tuple[str, ...]:
-    """HF names that make up Megatron tensor ``megatron_key`` (of ``layer`` for layer params)."""
+def hf_names_of(
+    megatron_key: str, layer: int | None = None, shape: Optional[ModelShape] = None, experts=None
+) -> tuple[str, ...]:
+    """HF names that make up Megatron tensor ``megatron_key`` (of ``layer`` for layer
+    params). An expert tensor is made of the names of every expert in ``experts`` (all of
+    ``shape``'s by default), expert by expert."""
     if megatron_key == EMBEDDING:
         return ("model.embed_tokens.weight",)
     if megatron_key == OUTPUT_LAYER:
@@ -187,7 +233,31 @@ def hf_names_of(megatron_key: str, layer: int | None = None) -> tuple[str, ...]:
     name = megatron_key.removeprefix("decoder.layers.")
     if name not in _ALL_LAYER_PARAMS or layer is None:
         raise KeyError(f"no HF mapping for Megatron tensor {megatron_key!r} (layer {layer})")
+    if name in EXPERT_PARAMS:
+        if experts is None:
+            if shape is None:
+                raise ValueError(
+                    f"{megatron_key}: the HF names of an expert tensor need the model shape or the experts"
+                )
+            experts = range(shape.num_experts)
+        return tuple(n.format(i=layer, e=e) for e in experts for n in _ALL_LAYER_PARAMS[name])
     return tuple(n.format(i=layer) for n in _ALL_LAYER_PARAMS[name])
+
+
+_LOCAL_EXPERT = re.compile(
+    r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$"
+)
+
+
+def local_expert_of(name: str) -> Optional[tuple[str, int]]:
+    """``(megatron expert key, local index)`` of a layer's local-expert parameter name
+    (``mlp.experts.local_experts.{j}.linear_fc1.weight`` or ``mlp.experts.linear_fc1.weight{j}``),
+    None for any other name."""
+    match = _LOCAL_EXPERT.match(name)
+    if match is None:
+        return None
+    index, linear = (match.group(1), match.group(2)) if match.group(1) is not None else (match.group(4), match.group(3))
+    return f"mlp.experts.experts.{linear}.weight", int(index)
 
 
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
@@ -231,6 +301,10 @@ def to_megatron(megatron_key: str, hf_tensors: list[torch.Tensor], shape: ModelS
     :func:`hf_names_of` order."""
     if megatron_key.endswith("linear_qkv.weight") or megatron_key.endswith("linear_qkv.bias"):
         return interleave_qkv(*hf_tensors, shape)
+    if megatron_key == megatron_layer_key(EXPERT_FC1):  # [gate_e; up_e] of each expert: [experts, 2f, h]
+        return torch.stack([torch.cat(hf_tensors[j : j + 2], dim=0) for j in range(0, len(hf_tensors), 2)])
+    if megatron_key == megatron_layer_key(EXPERT_FC2):  # [experts, h, f]
+        return torch.stack(hf_tensors)
     if megatron_key.endswith("linear_fc1.weight"):
         return torch.cat(hf_tensors, dim=0)
     (tensor,) = hf_tensors
@@ -249,6 +323,8 @@ def to_hf(
     Tensors that must be rearranged (q/k/v) are written into ``buffers[hf_name]`` when a
     dict is given (created on first use and reused); the rest may be views of ``tensor``.
     """
+    if megatron_key in (megatron_layer_key(EXPERT_FC1), megatron_layer_key(EXPERT_FC2)):
+        return expert_to_hf(megatron_key, tensor, layer, range(tensor.shape[0]))
     names = hf_names_of(megatron_key, layer)
     if megatron_key.endswith("linear_qkv.weight") or megatron_key.endswith("linear_qkv.bias"):
         out = None
@@ -262,6 +338,19 @@ def to_hf(
     if megatron_key in VOCAB_KEYS:
         tensor = tensor[: shape.vocab_size]
     return {names[0]: tensor.contiguous()}
+
+
+def expert_to_hf(megatron_key: str, tensor: torch.Tensor, layer: int, experts) -> dict[str, torch.Tensor]:
+    """HF tensors of the experts ``experts`` (global indices) from their slices of an expert
+    tensor (``tensor[j]`` is expert ``experts[j]``); views, no copy."""
+    experts = list(experts)
+    if tensor.shape[0] != len(experts):
+        raise ValueError(f"{megatron_key}: {tensor.shape[0]} expert slices for experts {experts}")
+    names = hf_names_of(megatron_key, layer, experts=experts)
+    if megatron_key == megatron_layer_key(EXPERT_FC1):
+        halves = [half for j in range(len(experts)) for half in torch.chunk(tensor[j], 2, dim=0)]
+        return dict(zip(names, halves))
+    return dict(zip(names, tensor.unbind(0)))
 
 
 def megatron_tensor_order(shape: ModelShape) -> list[tuple[str, int | None]]:

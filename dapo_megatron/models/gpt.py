@@ -3,7 +3,8 @@
 The families (``dapo_megatron.models.families``) are Llama-style decoders that differ in
 features this module turns into megatron settings: a bias on the fused QKV projection
 (Qwen2), per-head q/k RMSNorm (Qwen3, megatron's ``qk_layernorm``), the head width
-(``kv_channels``); and, for all, RMSNorm with the checkpoint's epsilon and the RoPE base
+(``kv_channels``), experts behind a top-k router (Qwen3-MoE, megatron's MoE layer with
+the all-to-all token dispatcher); and, for all, RMSNorm with the checkpoint's epsilon and the RoPE base
 of the HF config. A :class:`ModelConfig` (filled from the HF ``config.json``) becomes
 megatron's ``TransformerConfig`` and a ``GPTModel`` for this rank's pipeline stage, using
 Transformer Engine layer specs on a GPU with TE and megatron's local spec otherwise. The
@@ -95,10 +96,44 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, device_type
         # Micro-batches are packed by a token budget, so their shapes differ; pipeline
         # stages exchange shapes before tensors.
         variable_seq_lengths=True,
-        # No MoE here; megatron refuses variable_seq_lengths with its default (allgather)
-        # MoE token dispatcher even for dense models.
+        expert_model_parallel_size=parallel.ep_size,
+        expert_tensor_parallel_size=1,
+        # The all-to-all dispatcher (megatron refuses variable_seq_lengths with its default
+        # allgather one, even for dense models); on gloo its uneven splits work too.
         moe_token_dispatcher_type="alltoall",
+        **_moe_settings(model, use_te),
     )
+
+
+def _moe_settings(model: ModelConfig, use_te: bool) -> dict:
+    """megatron's mixture-of-experts settings for a family with experts (none for dense).
+
+    The router is a softmax over every expert followed by top-k, as in HF. Megatron's
+    ``moe_router_pre_softmax=False`` takes the top-k logits and softmaxes only those, which
+    is HF's renormalised top-k (``norm_topk_prob=True``): softmax is monotone, and dividing
+    the top-k of a softmax by their sum is the softmax of the top-k logits. With
+    ``norm_topk_prob=False`` the weights are the full softmax's (``pre_softmax=True``).
+    No capacity limit: every token reaches its experts (no dropping, exact log-probs).
+    """
+    if not family_named(model.family).moe:
+        return {}
+    aux = model.moe_aux_loss_coeff or 0.0
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_router_topk": model.moe_router_topk,
+        "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
+        "moe_router_pre_softmax": not model.moe_norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_router_load_balancing_type": "aux_loss" if aux > 0 else "none",
+        "moe_aux_loss_coeff": aux,
+        "moe_z_loss_coeff": model.moe_z_loss_coeff or None,
+        "moe_expert_capacity_factor": None,
+        # The router in fp32, as HF computes its softmax in float whatever the weights.
+        "moe_router_dtype": "fp32",
+        "moe_grouped_gemm": use_te,
+        "moe_permute_fusion": False,
+        "moe_layer_freq": 1,
+    }
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
@@ -156,6 +191,17 @@ def output_weight(gpt) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
+def _without_te_router_gemm() -> None:
+    """megatron-core 0.16.1's router linear tests ``te_general_gemm is not None``, a name
+    ``moe_utils`` defines only when Transformer Engine imports: without TE (the CPU, or a
+    GPU without the extra) every MoE forward raises NameError. Define it as None, which
+    is what that test expects for "no TE" (the plain ``torch.mm`` path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_model(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -180,10 +226,14 @@ def build_model(
     )
 
     config = transformer_config(model, parallel, device_type)
+    experts = {"num_experts": config.num_moe_experts, "moe_grouped_gemm": config.moe_grouped_gemm}
+    if config.num_moe_experts:
+        _without_te_router_gemm()
     if use_transformer_engine(model, device_type):
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **experts)
     else:
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+        # Sequential experts (one MLP each, no grouped GEMM) on the CPU.
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm", **experts)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -87,6 +87,26 @@ class _Patches:
             setattr(owner, name, value)
 
 
+class _NullEvent:
+    """Stands in for torch.cuda.Event: CPU work is done when the call returns (megatron's
+    all-to-all token dispatcher records one and synchronises on it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _NullStream:
     """Stands in for torch.cuda.Stream: CPU work is already ordered."""
 
@@ -99,8 +119,8 @@ class _NullStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> None:
-        return None
+    def record_event(self, event: Any = None) -> _NullEvent:
+        return event if event is not None else _NullEvent()
 
 
 class _DropForkRngWarning(logging.Filter):
@@ -163,6 +183,7 @@ def enable_cpu_runtime(*, allow_with_gpu: bool = False) -> None:
             "get_rng_state": lambda *a, **k: torch.get_rng_state(),
             "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
             "Stream": _NullStream,
+            "Event": _NullEvent,
             "current_stream": lambda *a, **k: _NullStream(),
             "default_stream": lambda *a, **k: _NullStream(),
             "stream": lambda *a, **k: contextlib.nullcontext(),

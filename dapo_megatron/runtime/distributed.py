@@ -286,6 +286,8 @@ def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
         tensor_model_parallel_size=parallel.tp_size,
         pipeline_model_parallel_size=parallel.pp_size,
         context_parallel_size=parallel.cp_size,
+        expert_model_parallel_size=parallel.ep_size,
+        expert_tensor_parallel_size=1,
         distributed_timeout_minutes=parallel.timeout_minutes,
         create_gloo_process_groups=backend == "gloo" or parallel.use_distributed_optimizer,
     )

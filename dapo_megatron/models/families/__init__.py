@@ -1,7 +1,7 @@
 """The registry of model families: one module per family in this package, found here.
 
 A family is the HF ``config.json`` ``model_type`` it reads and the architecture features
-that set it apart (:class:`ModelFamily`). Everything else (the megatron layer spec and
+that set it apart (:class:`ModelFamily`: q/k/v bias, q/k norm, experts). Everything else (the megatron layer spec and
 ``TransformerConfig``, the HF <-> Megatron tensor mapping, the parameter count and memory
 of ``plan``, the model FLOPs of ``bench``) is computed from those features and the
 model's shape, so no code outside the family's module names a family. Adding a family
@@ -32,6 +32,9 @@ class ModelFamily:
     qk_norm: bool
     """RMSNorm over each head's ``head_dim`` on queries and keys, before RoPE
     (HF ``self_attn.q_norm`` / ``k_norm``; megatron's ``qk_layernorm``)."""
+    moe: bool = False
+    """Mixture-of-experts MLPs: a top-k softmax router (HF ``mlp.gate``) over
+    ``num_experts`` SwiGLU experts (HF ``mlp.experts.{e}``), no shared expert."""
 
 
 @lru_cache(maxsize=1)
