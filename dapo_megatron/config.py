@@ -669,12 +669,6 @@ def _validate_layout(config: Config, fail) -> None:
     _validate_experts(config, fail)
     if p.sequence_parallel and p.tp_size == 1:
         fail(("parallel.sequence_parallel",), "parallel.sequence_parallel=true needs parallel.tp_size > 1")
-    if p.sequence_parallel and (p.device == "cpu" or m.transformer_impl == "local"):
-        fail(
-            ("parallel.sequence_parallel",),
-            "parallel.sequence_parallel=true needs Transformer Engine norms on a GPU (megatron's local "
-            "spec uses torch norms, which do not support it); set parallel.sequence_parallel=false",
-        )
 
     if m.num_attention_heads % p.tp_size:
         fail(
@@ -768,6 +762,12 @@ def _validate_experts(config: Config, fail) -> None:
             f"model.mlp_only_layers={m.mlp_only_layers} / model.decoder_sparse_step={m.decoder_sparse_step} "
             "leave some layers dense; only models with experts in every layer are supported "
             "(mlp_only_layers=[] and decoder_sparse_step=1, as in every released Qwen3-MoE)",
+        )
+    if p.tp_size > 1 and not p.sequence_parallel:
+        fail(
+            ("parallel.sequence_parallel", "parallel.tp_size"),
+            f"a mixture-of-experts model at parallel.tp_size={p.tp_size} needs parallel.sequence_parallel=true "
+            "(megatron's token dispatcher assumes each tensor-parallel rank holds different tokens); set it",
         )
     if m.num_experts % p.ep_size:
         fail(

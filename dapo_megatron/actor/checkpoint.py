@@ -304,13 +304,19 @@ def load_model_weights(actor, path: str | os.PathLike) -> None:
     actor.optimizer.reload_model_params()
 
 
+def _tp_and_ep(actor) -> tuple[int, int, int, int]:
+    """This rank's tensor- and expert-parallel rank and sizes, as ``load_hf_weights`` takes them."""
+    runtime, parallel = actor.runtime, actor.parallel
+    return runtime.tp_rank, parallel.tp_size, runtime.ep_rank, parallel.ep_size
+
+
 def load_hf_model_weights(actor, hf_dir: str | os.PathLike) -> None:
     """Load only the model weights straight from an HF safetensors folder (converted on load)."""
     from dapo_megatron.ckpt.loading import load_hf_weights
     from dapo_megatron.ckpt.mapping import ModelShape
 
     shape = ModelShape.from_model_config(actor.model_config)
-    load_hf_weights(actor.gpt, hf_dir, shape, actor.runtime.tp_rank, actor.parallel.tp_size)
+    load_hf_weights(actor.gpt, hf_dir, shape, *_tp_and_ep(actor))
     actor.optimizer.reload_model_params()
 
 
@@ -327,6 +333,6 @@ def load_reference_weights(actor, source: str, path: str | os.PathLike) -> None:
         from dapo_megatron.ckpt.mapping import ModelShape
 
         shape = ModelShape.from_model_config(actor.model_config)
-        load_hf_weights(actor.reference, path, shape, actor.runtime.tp_rank, actor.parallel.tp_size)
+        load_hf_weights(actor.reference, path, shape, *_tp_and_ep(actor))
     else:
         raise ValueError(f"unknown weight source {source!r}")

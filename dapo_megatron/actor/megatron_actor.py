@@ -145,6 +145,7 @@ class MegatronActor:
         self.rollout_step = 0
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
@@ -220,7 +221,41 @@ class MegatronActor:
             for mb in micro:
                 mb.rows = mb.rows + index * size
             planned.append(micro)
+        if self.parallel.ep_size > 1 and dist.get_world_size(self.dp_group) > 1:
+            self._pad_to_equal_micro_batch_counts(planned)
         return planned
+
+    def _pad_to_equal_micro_batch_counts(self, planned: list[list[_MicroBatch]]) -> None:
+        """Give every data-parallel rank as many micro-batches per mini-batch as the one
+        with the most, appending filler ones (one row of padding, no loss token).
+
+        An expert-parallel group may span data-parallel replicas, and every forward of an
+        MoE layer is an all-to-all over it: a replica that ran out of micro-batches while
+        another still had some would leave it waiting forever. A filler contributes no
+        loss token, log-prob or gradient of the policy loss (its tokens are routed, which
+        only the load-balancing loss sees)."""
+        counts = torch.tensor([len(micro) for micro in planned], dtype=torch.int64, device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
+        for micro, target in zip(planned, counts.tolist()):
+            template = micro[0]
+            width = self.pad_multiple
+
+            def zeros_like_or_none(value):
+                return None if value is None else torch.zeros(1, width, device=self.device)
+
+            while len(micro) < target:
+                micro.append(
+                    _MicroBatch(
+                        rows=torch.zeros(0, dtype=torch.long),
+                        tokens=torch.zeros(1, width, dtype=torch.long, device=self.device),
+                        position_ids=torch.arange(width, device=self.device).expand(1, width),
+                        loss_mask=torch.zeros(1, width, device=self.device),
+                        old_log_probs=zeros_like_or_none(template.old_log_probs),
+                        advantages=None if template.advantages is None else torch.zeros(1, device=self.device),
+                        token_weights=zeros_like_or_none(template.token_weights),
+                        ref_log_probs=zeros_like_or_none(template.ref_log_probs),
+                    )
+                )
 
     def _log_probs_and_entropy(self, hidden: torch.Tensor, micro: _MicroBatch, temperature: float, gpt=None):
         """Label-grid ``[b, L]`` log-probs and entropies at the loss tokens of ``micro``

@@ -19,8 +19,13 @@ on every rank of each data-parallel replica that feeds an engine:
   nothing travels between replicas: a rank sends at most its own stage to each other
   feeder of its replica.
 
-No rank ever holds more than one parameter's full tensor plus one bucket, never the
-whole model. Unsharded parameters travel as views of the live weights (no copy); the
+Experts (mixture-of-experts families) are split a fourth way, over the expert-parallel
+group, which may span data-parallel replicas: each layer's local experts are all-gathered
+over that group (every rank of it takes part, fed replica or not) and sent under each
+expert's HF names (``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``).
+
+No rank ever holds more than one parameter's full tensor (a layer's experts count as
+one) plus one bucket, never the whole model. Unsharded parameters travel as views of the live weights (no copy); the
 engine copies what it receives before the sync returns, and training does not resume
 until then.
 
@@ -47,7 +52,9 @@ from dapo_megatron.ckpt.mapping import (
     OUTPUT_LAYER,
     ModelShape,
     canonical_layer_param,
+    expert_to_hf,
     layer_params,
+    local_expert_of,
     megatron_layer_key,
     shard_to_hf_pieces,
     to_hf,
@@ -78,11 +85,24 @@ def _gather_to_leader(param: torch.Tensor, name: str, tp_group, leader: bool) ->
     return torch.cat(shards, dim=dim)
 
 
+def _gather_experts(local: list[torch.Tensor], ep_group) -> torch.Tensor:
+    """A layer's experts ``[num_experts, ...]`` from every expert-parallel rank's local ones
+    (on every rank of the group: the group may span replicas, so all of it takes part)."""
+    stacked = torch.stack([p.detach() for p in local])
+    ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+    if ep_size == 1:
+        return stacked
+    parts = [torch.empty_like(stacked) for _ in range(ep_size)]
+    dist.all_gather(parts, stacked, group=ep_group)
+    return torch.cat(parts)
+
+
 def iter_hf_tensors(actor) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's weights as ``(hf_name, tensor)``, on its leader only.
 
-    Must be run by every tensor-parallel rank of the stage (the gathers are collective);
-    non-leaders yield nothing.
+    Must be run by every tensor-parallel rank of the stage and, for a model with experts,
+    by every rank of its expert-parallel group (the gathers are collective); non-leaders
+    yield nothing.
     """
     shape = ModelShape.from_model_config(actor.model_config)
     tp_group = actor.tp_group
@@ -93,28 +113,43 @@ def iter_hf_tensors(actor) -> Iterator[tuple[str, torch.Tensor]]:
     # than faulting in fresh memory (the engine copies them before the sync returns).
     buffers = actor.hf_export_buffers
 
-    for megatron_key, param_name, layer in _stage_params_in_order(actor):
-        full = _gather_to_leader(params[param_name], megatron_key, tp_group, leader)
+    for megatron_key, param_names, layer in _stage_params_in_order(actor):
+        if isinstance(param_names, tuple):  # a layer's local experts
+            full = _gather_experts([params[n] for n in param_names], actor.ep_group)
+            if leader:
+                yield from expert_to_hf(megatron_key, full, layer, range(full.shape[0])).items()
+            continue
+        full = _gather_to_leader(params[param_names], megatron_key, tp_group, leader)
         if leader:
             yield from to_hf(megatron_key, full, shape, layer, buffers).items()
 
 
-def _stage_params_in_order(actor) -> list[tuple[str, str, Optional[int]]]:
+def _stage_params_in_order(actor) -> list[tuple[str, str | tuple[str, ...], Optional[int]]]:
     """This pipeline stage's parameters in model order as ``(megatron_key, parameter
-    name, global layer index or None)``: embedding, layers, final norm, output layer."""
+    name, global layer index or None)``: embedding, layers, final norm, output layer. A
+    layer's local experts come as one entry per expert tensor, with the names of all of
+    them in local order."""
     gpt = actor.gpt
     mapped = layer_params(ModelShape.from_model_config(actor.model_config))
     params = [name for name, _ in gpt.named_parameters()]
-    order: list[tuple[str, str, Optional[int]]] = []
+    order: list[tuple[str, str | tuple[str, ...], Optional[int]]] = []
     if gpt.pre_process:
         order.append((EMBEDDING, "embedding.word_embeddings.weight", None))
     for local_index, layer in enumerate(gpt.decoder.layers):
         prefix = f"decoder.layers.{local_index}."
+        experts: dict[str, dict[int, str]] = {}
         for name in sorted(n[len(prefix) :] for n in params if n.startswith(prefix)):
+            expert = local_expert_of(name)
+            if expert is not None:
+                experts.setdefault(expert[0], {})[expert[1]] = prefix + name
+                continue
             canonical = canonical_layer_param(name)
             if canonical not in mapped:
                 raise WeightSyncError(f"no HF mapping for actor parameter {prefix}{name}")
             order.append((megatron_layer_key(canonical), prefix + name, layer.layer_number - 1))
+        for key, by_index in sorted(experts.items()):
+            names = tuple(by_index[j] for j in range(len(by_index)))
+            order.append((megatron_layer_key(key), names, layer.layer_number - 1))
     if gpt.post_process:
         order.append((FINAL_NORM, "decoder.final_layernorm.weight", None))
         if not actor.model_config.tie_word_embeddings:
@@ -138,20 +173,35 @@ def iter_weight_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iter
 
 def iter_piece_buckets(actor, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
     """This rank's own shards as buckets of pieces (views of its parameters, with their
-    offsets in the HF tensors); empty on ranks outside the first data-parallel replica.
+    offsets in the HF tensors); empty on ranks outside the first data-parallel replica
+    that hold no experts to send.
     No collective: every rank of the replica calls it independently. ``bucket_bytes``
     bounds the bytes of a bucket that must be staged to be sent: pieces of parameters in
-    shared memory (colocated engines on the CPU) are references, so they all fit in one."""
-    if actor.runtime.dp_rank != 0:
-        return
+    shared memory (colocated engines on the CPU) are references, so they all fit in one.
+    Experts are sent by the ranks that hold them (expert-data-parallel rank 0), which may
+    be outside the first replica."""
+    runtime = actor.runtime
     shape = ModelShape.from_model_config(actor.model_config)
-    tp_rank, tp_size = actor.runtime.tp_rank, actor.parallel.tp_size
+    tp_rank, tp_size = runtime.tp_rank, actor.parallel.tp_size
     params = dict(actor.gpt.named_parameters())
+    local_experts = (shape.num_experts or 0) // actor.parallel.ep_size
+
+    def pieces(key, param_names, layer_index):
+        if isinstance(param_names, tuple):
+            # Whole experts, sent by the first rank of those that hold them (its
+            # expert-data-parallel rank 0; it may sit in another replica).
+            if runtime.expert_dp_rank == 0:
+                first = runtime.ep_rank * local_experts
+                for j, param_name in enumerate(param_names):
+                    own = params[param_name].detach().unsqueeze(0)  # a view: no copy
+                    for name, piece in expert_to_hf(key, own, layer_index, [first + j]).items():
+                        yield name, piece, (0,) * piece.dim()
+        elif runtime.dp_rank == 0:
+            yield from shard_to_hf_pieces(key, params[param_names].detach(), shape, layer_index, tp_rank, tp_size)
+
     bucket, size = WeightBucket(), 0
-    for key, param_name, layer_index in _stage_params_in_order(actor):
-        for name, piece, offset in shard_to_hf_pieces(
-            key, params[param_name].detach(), shape, layer_index, tp_rank, tp_size
-        ):
+    for key, param_names, layer_index in _stage_params_in_order(actor):
+        for name, piece, offset in pieces(key, param_names, layer_index):
             # A bucket bounds what must be staged (copied into a shareable buffer) to
             # send it; a piece of shared memory travels as a reference and stages nothing.
             staged = 0 if piece.is_shared() and piece.is_contiguous() else piece.nbytes
@@ -270,7 +320,9 @@ def sync_weights(
             for _ in buckets:
                 pass
     elif not own_feeders:
-        pass  # no engine is fed from this replica: it gathers nothing
+        if actor.parallel.ep_size > 1:  # its experts are gathered into the fed replicas
+            for _ in iter_weight_buckets(actor, bucket_bytes):
+                pass
     elif rank in leaders:
         for _ in own_buckets():
             pass

@@ -37,13 +37,17 @@ def load_megatron_weights(gpt, path: str | os.PathLike) -> None:
         raise RuntimeError(f"checkpoint {path} did not fill the model: missing {missing}, unexpected {unexpected}")
 
 
-def load_hf_weights(gpt, hf_dir: str | os.PathLike, shape, tp_rank: int, tp_size: int) -> None:
+def load_hf_weights(
+    gpt, hf_dir: str | os.PathLike, shape, tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1
+) -> None:
     """Load ``gpt``'s parameters (this rank's shards) straight from an HF safetensors folder.
 
     Converted on load, tensor by tensor, through the converter's mapping: no Megatron copy
     of the checkpoint is written. Each full Megatron tensor is built from its HF tensors
     and this tensor-parallel rank's slice is copied into the parameter (``linear_fc1`` as
-    ``[gate_r; up_r]``, vocabulary rows zero-padded to the layout's padded size).
+    ``[gate_r; up_r]``, vocabulary rows zero-padded to the layout's padded size). A local
+    expert reads only its own expert: the ``j``-th of expert-parallel rank ``ep_rank`` is
+    expert ``ep_rank * num_experts / ep_size + j``.
     """
     import torch
 
@@ -55,6 +59,7 @@ def load_hf_weights(gpt, hf_dir: str | os.PathLike, shape, tp_rank: int, tp_size
         VOCAB_KEYS,
         canonical_layer_param,
         hf_names_of,
+        local_expert_of,
         megatron_layer_key,
         to_megatron,
     )
@@ -62,10 +67,21 @@ def load_hf_weights(gpt, hf_dir: str | os.PathLike, shape, tp_rank: int, tp_size
     checkpoint = HFCheckpoint(hf_dir)
     checkpoint.check_against(shape)
     layer_numbers = {f"decoder.layers.{i}.": layer.layer_number - 1 for i, layer in enumerate(gpt.decoder.layers)}
+    local_experts = shape.num_experts // ep_size
     with torch.no_grad():
         for name, param in gpt.named_parameters():
+            experts = None
             if name.startswith("decoder.layers."):
                 prefix = name[: name.index(".", len("decoder.layers.")) + 1]
+                expert = local_expert_of(name[len(prefix) :])
+                if expert is not None:
+                    key, layer = megatron_layer_key(expert[0]), layer_numbers[prefix]
+                    experts = [ep_rank * local_experts + expert[1]]
+                    full = to_megatron(
+                        key, [checkpoint.read(n) for n in hf_names_of(key, layer, experts=experts)], shape
+                    )
+                    _copy_checked(param, full[0], hf_dir, key, layer, name)
+                    continue
                 key, layer = megatron_layer_key(canonical_layer_param(name[len(prefix) :])), layer_numbers[prefix]
             else:
                 key = {
@@ -93,9 +109,13 @@ def load_hf_weights(gpt, hf_dir: str | os.PathLike, shape, tp_rank: int, tp_size
                 local[: full.shape[0]] = full
             else:
                 local = full
-            if tuple(local.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"{hf_dir}: {key} (layer {layer}) gives a shard of shape {tuple(local.shape)} for parameter "
-                    f"{name} of shape {tuple(param.shape)}"
-                )
-            param.copy_(local)
+            _copy_checked(param, local, hf_dir, key, layer, name)
+
+
+def _copy_checked(param, local, hf_dir, key: str, layer, name: str) -> None:
+    if tuple(local.shape) != tuple(param.shape):
+        raise ValueError(
+            f"{hf_dir}: {key} (layer {layer}) gives a shard of shape {tuple(local.shape)} for parameter "
+            f"{name} of shape {tuple(param.shape)}"
+        )
+    param.copy_(local)

@@ -414,3 +414,26 @@ def shard_to_hf_pieces(
         rows = max(0, min(shape.vocab_size - start, shard.shape[0]))
         return [(names[0], shard[:rows], (start, 0))] if rows else []
     return [(names[0], shard, (0,) * shard.dim())] if tp_rank == 0 else []
+
+
+_HF_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fused_expert_view(params: dict[str, torch.Tensor], name: str) -> Optional[torch.Tensor]:
+    """Where checkpoint tensor ``name`` (``...mlp.experts.{e}.gate_proj.weight``) lives in a
+    transformers model whose experts are fused 3D parameters (transformers 5:
+    ``mlp.experts.gate_up_proj`` ``[experts, 2 * f, hidden]``, each expert ``[gate; up]``,
+    and ``mlp.experts.down_proj`` ``[experts, hidden, f]``): a view of ``params``' tensor,
+    or None when ``name`` is no expert tensor or the model keeps its experts unfused."""
+    match = _HF_EXPERT.match(name)
+    if match is None:
+        return None
+    experts, e, proj = match["experts"], int(match["e"]), match["proj"]
+    if proj == "down_proj":
+        fused = params.get(f"{experts}.down_proj")
+        return None if fused is None else fused[e]
+    fused = params.get(f"{experts}.gate_up_proj")
+    if fused is None:
+        return None
+    half = fused.shape[1] // 2
+    return fused[e, :half] if proj == "gate_proj" else fused[e, half:]

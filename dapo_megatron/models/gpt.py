@@ -191,6 +191,41 @@ def output_weight(gpt) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
+class LocalRMSNorm:
+    """The local spec's norm (torch's ``RMSNorm``, as megatron's ``WrappedTorchNorm``
+    builds it) that also works under sequence parallelism: megatron's wrapper refuses
+    it, although all it takes is what Transformer Engine's norms do, marking the weight
+    ``sequence_parallel`` so that ``finalize_model_grads`` sums its gradient (each rank saw
+    only its part of the sequence) over the tensor-parallel group. An MoE layer with
+    tensor parallelism needs sequence parallelism (megatron's all-to-all dispatcher
+    assumes each tensor-parallel rank holds different tokens)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _with_local_norms(spec):
+    """``spec`` (a ModuleSpec tree) with every ``WrappedTorchNorm`` replaced by :class:`LocalRMSNorm`."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return LocalRMSNorm
+    if isinstance(spec, ModuleSpec):
+        spec = dataclasses.replace(spec, module=_with_local_norms(spec.module))
+        if spec.submodules is not None:
+            spec.submodules = _with_local_norms(spec.submodules)
+        return spec
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _with_local_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)})
+    return spec
+
+
 def _without_te_router_gemm() -> None:
     """megatron-core 0.16.1's router linear tests ``te_general_gemm is not None``, a name
     ``moe_utils`` defines only when Transformer Engine imports: without TE (the CPU, or a
@@ -224,6 +259,7 @@ def build_model(
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer import transformer_block
 
     config = transformer_config(model, parallel, device_type)
     experts = {"num_experts": config.num_moe_experts, "moe_grouped_gemm": config.moe_grouped_gemm}
@@ -234,11 +270,28 @@ def build_model(
     else:
         # Sequential experts (one MLP each, no grouped GEMM) on the CPU.
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm", **experts)
+        layer_spec = _with_local_norms(layer_spec)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    gpt = GPTModel(
+    # The block's final norm is its module-level LayerNormImpl (the local one: torch's).
+    final_norm = transformer_block.LayerNormImpl
+    if not use_transformer_engine(model, device_type):
+        transformer_block.LayerNormImpl = _with_local_norms(final_norm)
+    try:
+        gpt = _gpt_model(GPTModel, config, layer_spec, model, parallel, pre_process, post_process)
+    finally:
+        transformer_block.LayerNormImpl = final_norm
+    if post_process and not output_logits:
+        _defer_output_layer(gpt.output_layer)
+    if device_type == "cuda":
+        gpt = gpt.cuda(torch.cuda.current_device())
+    return gpt
+
+
+def _gpt_model(GPTModel, config, layer_spec, model: ModelConfig, parallel: ParallelConfig, pre_process, post_process):
+    return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, parallel.tp_size),
@@ -250,8 +303,3 @@ def build_model(
         rotary_base=model.rope_theta,
         parallel_output=True,
     )
-    if post_process and not output_logits:
-        _defer_output_layer(gpt.output_layer)
-    if device_type == "cuda":
-        gpt = gpt.cuda(torch.cuda.current_device())
-    return gpt

@@ -657,10 +657,12 @@ class ActorGroup:
         return [node for node, _ in self._places_of(engines)]
 
     def _sync_by_pieces(self, engines: list, bucket_bytes: int) -> SyncStats:
-        """Every first-replica rank sends its own shards to every engine, all at once,
+        """Every first-replica rank (and every first holder of some experts) sends its own
+        shards to every engine, all at once,
         inside one update session per engine (see :meth:`ActorRank.feed_pieces`)."""
         start = time.perf_counter()
-        senders = [i for i, info in enumerate(self.infos) if info["dp_rank"] == 0]
+        # The first replica, and the ranks outside it that are the first to hold some experts.
+        senders = [i for i, info in enumerate(self.infos) if info["dp_rank"] == 0 or info["expert_dp_rank"] == 0]
 
         def stream() -> SyncStats:
             sent = call_all(

@@ -78,7 +78,9 @@ class _Patches:
         self._saved: list[tuple[Any, str, Any]] = []
 
     def set(self, owner: Any, name: str, value: Any) -> None:
-        self._saved.append((owner, name, getattr(owner, name)))
+        # A class's own attribute as stored (a staticmethod stays one when restored).
+        saved = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
+        self._saved.append((owner, name, saved))
         setattr(owner, name, value)
 
     def undo(self) -> None:
@@ -129,6 +131,15 @@ class _DropForkRngWarning(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _move_tensor_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's ``maybe_move_tensor_to_cpu`` for tensors that already are on the CPU:
+    its original converts to NumPy only when it moves a CUDA tensor, so on the CPU the
+    all-to-all dispatcher's splits stay tensors, which ``all_to_all_single`` refuses."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def _get_cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -197,6 +208,7 @@ def enable_cpu_runtime(*, allow_with_gpu: bool = False) -> None:
             module = importlib.import_module(module_name)
             for name, value in attrs.items():
                 patches.set(module, name, value)
+        _redirect_in_backward(patches)
         mode = _CudaToCpuMode()
         mode.__enter__()
         log_filter = _DropForkRngWarning()
@@ -217,11 +229,29 @@ def disable_cpu_runtime() -> None:
         _state.update(mode=None, patches=None, filter=None)
 
 
+def _redirect_in_backward(patches: _Patches) -> None:
+    """The autograd engine runs a custom Function's backward without this thread's torch
+    function modes, so a backward that allocates on ``torch.cuda.current_device()`` (as
+    megatron's sequence-parallel reduce-scatter and all-to-all do) escapes the
+    redirection: run every custom backward under the mode."""
+    from torch.autograd.function import BackwardCFunction
+
+    apply = BackwardCFunction.apply
+
+    def redirected(self, *args):
+        with _CudaToCpuMode():
+            return apply(self, *args)
+
+    patches.set(BackwardCFunction, "apply", redirected)
+
+
 # Module-level functions in megatron that read CUDA generators directly (not through
-# torch.cuda.*), replaced by their CPU equivalents.
+# torch.cuda.*) or assume device tensors, replaced by their CPU equivalents.
 _MEGATRON_PATCHES: dict[str, dict[str, Callable[..., Any]]] = {
     "megatron.core.tensor_parallel.random": {
         "_get_cuda_rng_state": _get_cpu_rng_state,
         "_set_cuda_rng_state": _set_cpu_rng_state,
     },
+    # The all-to-all MoE token dispatcher's host copy of its split sizes (imported by name).
+    "megatron.core.transformer.moe.token_dispatcher": {"maybe_move_tensor_to_cpu": _move_tensor_to_host},
 }

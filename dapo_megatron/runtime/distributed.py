@@ -65,6 +65,10 @@ class RuntimeInfo:
     """Rank inside the data-parallel group."""
     cp_rank: int
     """Rank inside the context-parallel group."""
+    ep_rank: int = 0
+    """Rank inside the expert-parallel group (which experts this rank holds)."""
+    expert_dp_rank: int = 0
+    """Rank among the ranks that hold the same experts (the expert-data-parallel group)."""
 
     @property
     def is_cpu(self) -> bool:
@@ -305,6 +309,8 @@ def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         cp_rank=parallel_state.get_context_parallel_rank(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
     )
     expected_dp = data_parallel_size(parallel)
     if parallel_state.get_data_parallel_world_size() != expected_dp:

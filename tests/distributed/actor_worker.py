@@ -46,7 +46,7 @@ def make_batch(seed: int, response_lengths: list[int], prompt_lengths: list[int]
     return batch
 
 
-TINY_HEAD_DIM = {"qwen2": 16, "qwen3": 24}
+TINY_HEAD_DIM = {"qwen2": 16, "qwen3": 24, "qwen3_moe": 24}
 """Head width of the tiny models by family: Qwen3's explicit ``head_dim`` is not
 hidden / heads (64 / 4 = 16), so a mapping that assumes it would fail."""
 
@@ -62,11 +62,37 @@ TINY_SHAPE = dict(
 )
 
 
+TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+"""The experts of the tiny mixture-of-experts models: 4 of width 32, top-2, renormalised."""
+
+
+def set_family(cfg, family: str, ep_size: int = 1, **experts) -> None:
+    """Make the tiny actor config's model one of ``family`` (the tiny models' head width,
+    and for a family with experts :data:`TINY_EXPERTS`, overridden by ``experts`` in HF
+    names, no load-balancing loss, sequence parallelism under TP), split over ``ep_size``
+    expert-parallel ranks."""
+    from dapo_megatron.models.families import family_named
+
+    cfg.model.family, cfg.model.head_dim = family, TINY_HEAD_DIM[family]
+    cfg.parallel.ep_size = ep_size
+    if family_named(family).moe:
+        hf = {**TINY_EXPERTS, **experts}
+        cfg.model.num_experts, cfg.model.moe_router_topk = hf["num_experts"], hf["num_experts_per_tok"]
+        cfg.model.moe_ffn_hidden_size, cfg.model.moe_norm_topk_prob = hf["moe_intermediate_size"], hf["norm_topk_prob"]
+        cfg.model.decoder_sparse_step, cfg.model.mlp_only_layers = 1, []
+        cfg.model.moe_aux_loss_coeff = 0.0
+        cfg.parallel.sequence_parallel = cfg.parallel.tp_size > 1  # what an MoE layer under TP needs
+
+
 def tiny_hf_model(family: str, tied: bool, seed: int, vocab_size: int = 120, **config):
     """A random transformers model of ``family`` with the actor tests' shape (vocabulary
-    120: padded to 128)."""
+    120: padded to 128; for a family with experts, :data:`TINY_EXPERTS`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dapo_megatron.models.families import family_named
+
+    if family_named(family).moe:
+        config = {**TINY_EXPERTS, **config}
     torch.manual_seed(seed)
     hf_config = AutoConfig.for_model(
         family, vocab_size=vocab_size, tie_word_embeddings=tied, head_dim=TINY_HEAD_DIM[family], **TINY_SHAPE, **config

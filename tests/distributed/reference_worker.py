@@ -21,7 +21,7 @@ from dapo_megatron.actor.checkpoint import load_hf_model_weights, load_reference
 from dapo_megatron.actor.megatron_actor import MegatronActor
 from dapo_megatron.actor.weight_sync import iter_hf_tensors
 from dapo_megatron.runtime.distributed import megatron_runtime
-from tests.distributed.actor_worker import TINY_HEAD_DIM, actor_config, make_batch
+from tests.distributed.actor_worker import actor_config, make_batch, set_family
 
 VOCAB = 120
 NUM_MINI_BATCHES = 2
@@ -65,18 +65,28 @@ def old_log_probs_as_trained(actor, batch, dp_rank: int, dp_size: int, reference
 
 
 def _full_gradients_in_buffers(actor) -> None:
-    """All-gather every bucket's reduce-scattered shards over the data-parallel group."""
-    dp_size = dist.get_world_size(actor.dp_group)
+    """All-gather every bucket's reduce-scattered shards over the group it was reduced
+    over: the data-parallel group, or for experts the expert-data-parallel group."""
+    from megatron.core import parallel_state
+
+    _gather_buckets(actor.ddp.buffers, actor.dp_group)
+    expert_buffers = getattr(actor.ddp, "expert_parallel_buffers", None) or []
+    if expert_buffers:
+        _gather_buckets(expert_buffers, parallel_state.get_expert_data_parallel_group())
+
+
+def _gather_buckets(buffers, group) -> None:
+    dp_size = dist.get_world_size(group)
     if dp_size == 1:
         return
-    dp_rank = dist.get_rank(actor.dp_group)
-    for buffer in actor.ddp.buffers:
+    dp_rank = dist.get_rank(group)
+    for buffer in buffers:
         for bucket in buffer.buckets:
             data = bucket.grad_data
             shard = data.numel() // dp_size
             assert shard * dp_size == data.numel(), "bucket not padded to the data-parallel size"
             parts = [torch.empty(shard, dtype=data.dtype) for _ in range(dp_size)]
-            dist.all_gather(parts, data[dp_rank * shard : (dp_rank + 1) * shard].clone(), group=actor.dp_group)
+            dist.all_gather(parts, data[dp_rank * shard : (dp_rank + 1) * shard].clone(), group=group)
             data.copy_(torch.cat(parts))
 
 
@@ -119,15 +129,17 @@ def dapo_step_with_gradients(
     row_dependent_gemms: bool = False,
     kl_type: str | None = None,
     family: str = "qwen2",
+    ep_size: int = 1,
 ) -> None:
     """``row_dependent_gemms``: run the whole step under :class:`RowCountDependentGemms`
     (only the first update's ratio is then checked). ``kl_type``: with the KL penalty of
-    that estimator (coefficient ``KL_COEF``) to the reference policy in ``hf_ref_tied*``."""
+    that estimator (coefficient ``KL_COEF``) to the reference policy in ``hf_ref_tied*``.
+    ``ep_size``: experts over that many expert-parallel ranks (a family with experts)."""
     if row_dependent_gemms:
         with RowCountDependentGemms():
             return dapo_step_with_gradients(workdir, tp_size, pp_size, dp_size, weighted, family=family)
     cfg = actor_config(tp_size, pp_size, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
-    cfg.model.family, cfg.model.head_dim = family, TINY_HEAD_DIM[family]
+    set_family(cfg, family, ep_size)
     cfg.parallel.use_distributed_optimizer = True
     if kl_type is not None:
         cfg.algorithm.use_kl_loss, cfg.algorithm.kl_loss_coef, cfg.algorithm.kl_loss_type = True, KL_COEF, kl_type
@@ -165,3 +177,24 @@ def dapo_step_with_gradients(
                 )
             if info.rank == 0:
                 torch.save(batch, os.path.join(workdir, f"ref_batch_tied{int(tied)}.pt"))
+
+
+def moe_log_probs_of_controls(workdir: str, ep_size: int) -> None:
+    """Negative controls for the mixture-of-experts reference test: the log-probs of the
+    reference batch from the right actor, from one whose router does not renormalise its top-k (the wrong
+    ``norm_topk_prob``), and from one loaded with two experts of a layer swapped
+    (``hf_swapped``). Each must be far from the float64 reference's."""
+    cfg = actor_config(1, 1, dp_size=ep_size, vocab_size=VOCAB, micro_batch_max_tokens=24)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        out = {}
+        for name, folder, norm_topk_prob in (
+            ("right", "hf_tied0", True),
+            ("wrong_norm_topk_prob", "hf_tied0", False),
+            ("swapped", "hf_swapped", True),
+        ):
+            set_family(cfg, "qwen3_moe", ep_size, norm_topk_prob=norm_topk_prob)
+            actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+            load_hf_model_weights(actor, os.path.join(workdir, folder))
+            out[name] = old_log_probs_as_trained(actor, reference_batch(), info.dp_rank, ep_size)
+        if info.rank == 0:
+            torch.save(out, os.path.join(workdir, "controls.pt"))

@@ -17,12 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dapo_megatron.ckpt.mapping import fused_expert_view
 from dapo_megatron.runtime.launch import launch_local
 from tests.distributed import reference_worker
 from tests.distributed.actor_worker import tiny_hf_model, tiny_hf_qwen2
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # the actor's defaults (AlgorithmConfig)
 RELATIVE_TOLERANCE = 1e-5
+SEEDS = {"qwen2": 3, "qwen3": 3, "qwen3_moe": 5}
 
 
 def _randomize_biases(model) -> None:
@@ -36,6 +38,9 @@ def _randomize_biases(model) -> None:
             for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
                 if norm is not None:
                     norm.weight.uniform_(0.5, 1.5)
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:  # routing far from ties, so fp32 and fp64 pick the same experts
+                gate.weight.normal_(0, 1.0)
             layer.input_layernorm.weight.uniform_(0.5, 1.5)
             layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
 
@@ -43,13 +48,38 @@ def _randomize_biases(model) -> None:
 def _float64_model(hf_dir, tied: bool, weights: dict[str, torch.Tensor] | None):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, attn_implementation="eager")
+    # Eager attention and experts (the grouped-GEMM experts have no float64 kernel).
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+    )
     if weights is not None:
-        missing, unexpected = model.load_state_dict({k: v.double() for k, v in weights.items()}, strict=False)
-        assert not unexpected and set(missing) <= ({"lm_head.weight"} if tied else set()), (missing, unexpected)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in weights.items():
+                target = params[name] if name in params else fused_expert_view(params, name)
+                target.copy_(value.double())
+        assert set(weights) == set(_by_checkpoint_name(params)) - ({"lm_head.weight"} if tied else set())
     if tied:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model
+
+
+def _by_checkpoint_name(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers model's parameters (or their gradients) under the checkpoint's names:
+    fused experts (transformers 5) split into each expert's gate, up and down."""
+    named = {}
+    for name, tensor in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            prefix = name.rsplit(".", 1)[0]
+            for e in range(tensor.shape[0]):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    key = f"{prefix}.{e}.{proj}.weight"
+                    view = fused_expert_view(tensors, key)
+                    if view is not None:
+                        named[key] = view
+        else:
+            named[name] = tensor
+    return named
 
 
 def _log_probs(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -96,15 +126,17 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("family", "tp_size", "pp_size", "dp_size", "weighted", "kl_type"),
+    ("family", "tp_size", "pp_size", "dp_size", "weighted", "kl_type", "ep_size"),
     [
-        ("qwen2", 2, 2, 1, False, None),
-        ("qwen2", 1, 2, 2, False, None),
-        ("qwen2", 2, 1, 2, True, None),
-        ("qwen2", 1, 2, 2, False, "k3"),
-        ("qwen2", 2, 1, 2, False, "k1"),
-        ("qwen3", 2, 1, 1, False, None),
-        ("qwen3", 1, 2, 1, False, None),
+        ("qwen2", 2, 2, 1, False, None, 1),
+        ("qwen2", 1, 2, 2, False, None, 1),
+        ("qwen2", 2, 1, 2, True, None, 1),
+        ("qwen2", 1, 2, 2, False, "k3", 1),
+        ("qwen2", 2, 1, 2, False, "k1", 1),
+        ("qwen3", 2, 1, 1, False, None, 1),
+        ("qwen3", 1, 2, 1, False, None, 1),
+        ("qwen3_moe", 1, 1, 2, False, None, 2),
+        ("qwen3_moe", 2, 1, 2, False, None, 2),
     ],
     ids=[
         "tp2-pp2",
@@ -114,19 +146,25 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
         "tp2-dp2-kl-k1",
         "qwen3-tp2",
         "qwen3-pp2",
+        "qwen3moe-ep2-dp2",
+        "qwen3moe-tp2-ep2-dp2",
     ],
 )
 def test_dapo_gradients_equal_an_independent_float64_reference(
-    tmp_path, family, tp_size, pp_size, dp_size, weighted, kl_type
+    tmp_path, family, tp_size, pp_size, dp_size, weighted, kl_type, ep_size
 ):
     """With ``weighted``, the batch carries rollout-correction weights (TIS values, some
     capped, and MIS zeros) that the reference multiplies into its token losses. With
     ``kl_type``, the loss adds the KL penalty to a reference policy that is another model
     (so the penalty and its gradient are not zero at the first update). Qwen3: q/k norms
     (their gradients summed over tensor-parallel ranks) and a head width that is not
-    hidden / heads."""
+    hidden / heads. Qwen3-MoE: transformers' ``Qwen3MoeForCausalLM`` (routing, top-k
+    renormalisation, experts) with the experts split over ``ep_size`` ranks, tokens
+    exchanged by megatron's all-to-all on gloo; the experts' gradients are reduced over
+    the expert-data-parallel group, not the data-parallel one."""
     for tied in (False, True):
-        model = tiny_hf_model(family, tied, seed=3 + tied, attn_implementation="eager")
+        # (Seeds for which no off-policy ratio sits within 1e-4 of a clip boundary.)
+        model = tiny_hf_model(family, tied, seed=SEEDS[family] + tied, attn_implementation="eager")
         _randomize_biases(model)
         model.save_pretrained(tmp_path / f"hf_tied{int(tied)}")
         if kl_type is not None:
@@ -136,7 +174,7 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
     launch_local(
         reference_worker.dapo_step_with_gradients,
         tp_size * pp_size * dp_size,
-        (str(tmp_path), tp_size, pp_size, dp_size, weighted, False, kl_type, family),
+        (str(tmp_path), tp_size, pp_size, dp_size, weighted, False, kl_type, family, ep_size),
     )
     for tied in (False, True):
         stages = [torch.load(tmp_path / f"ref_tied{int(tied)}_stage{s}.pt") for s in range(pp_size)]
@@ -178,7 +216,7 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
                 assert clipped.any() and (ratios - 1).abs().max() > 0.05
                 boundary = torch.minimum((ratios - (1 - CLIP_LOW)).abs(), (ratios - (1 + CLIP_HIGH)).abs())
                 assert boundary.min() > 1e-4
-            reference = {name: p.grad for name, p in model.named_parameters()}
+            reference = _by_checkpoint_name({name: p.grad for name, p in model.named_parameters()})
             assert sorted(actor_gradients) == sorted(reference)
             for name, expected in reference.items():
                 got = actor_gradients[name].double()
@@ -201,3 +239,33 @@ def test_first_ratio_is_exactly_one_whatever_the_gemm_kernels(tmp_path):
         metrics = torch.load(tmp_path / f"ref_tied{tied}_stage1.pt")["metrics"]
         assert metrics[0]["ratio_mean"] == 1.0 and metrics[0]["ratio_max"] == 1.0, metrics[0]
         assert metrics[1]["ratio_max"] > 1.0  # the second update is off-policy
+
+
+def test_moe_negative_controls_are_far_from_the_reference(tmp_path):
+    """The MoE reference test can fail: at ep 2 x dp 2 the actor's log-probs equal the
+    float64 ``Qwen3MoeForCausalLM``'s within 1e-5, while a router that does not renormalise
+    its top-k (the wrong ``norm_topk_prob``) and two swapped experts of one layer are each
+    more than 1e-3 away."""
+    model = tiny_hf_model("qwen3_moe", False, seed=SEEDS["qwen3_moe"], attn_implementation="eager")
+    _randomize_biases(model)
+    model.save_pretrained(tmp_path / "hf_tied0")
+    with torch.no_grad():
+        for fused in (model.model.layers[1].mlp.experts.gate_up_proj, model.model.layers[1].mlp.experts.down_proj):
+            fused[[0, 2]] = fused[[2, 0]].clone()
+    model.save_pretrained(tmp_path / "hf_swapped")
+    launch_local(reference_worker.moe_log_probs_of_controls, 2, (str(tmp_path), 2))
+    got = torch.load(tmp_path / "controls.pt")
+    batch = reference_worker.reference_batch()
+    reference = _float64_model(tmp_path / "hf_tied0", False, None)
+    with torch.no_grad():
+        expected = _log_probs(reference, batch.tokens)
+    mask = batch.response_mask()[:, 1:].bool()
+
+    def error(name: str) -> float:
+        return float((got[name][:, 1:].double() - expected)[mask].abs().max())
+
+    assert error("right") <= 1e-5, error("right")
+    assert error("wrong_norm_topk_prob") > 1e-3 and error("swapped") > 1e-3, (
+        error("wrong_norm_topk_prob"),
+        error("swapped"),
+    )

@@ -175,9 +175,74 @@ def test_mini_batch_must_divide_responses(tmp_path):
     )
 
 
-def test_sequence_parallel_needs_gpu_norms():
-    message = error_of(TINY, ["parallel.sequence_parallel=true"])
-    assert message.startswith("command line: parallel.sequence_parallel=true needs Transformer Engine norms")
+def test_sequence_parallel_needs_tensor_parallelism():
+    message = error_of(TINY, ["parallel.sequence_parallel=true", "parallel.tp_size=1"])
+    assert message == "command line: parallel.sequence_parallel=true needs parallel.tp_size > 1"
+    assert load_config(TINY, ["parallel.sequence_parallel=true"]).parallel.sequence_parallel  # tp 2, CPU norms
+
+
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_hidden_layers": 48,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}
+
+
+def _moe_run(tmp_path, **hf) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_MOE, **hf}))
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "model: {hf_config: config.json}\n"
+        "parallel: {device: cpu, num_devices_per_node: 8, tp_size: 2, sequence_parallel: true, ep_size: 4}\n"
+        "rollout: {engine: hf}\n"
+    )
+    return run
+
+
+def test_qwen3_moe_shape_and_router_defaults_come_from_config_json(tmp_path):
+    cfg = load_config(_moe_run(tmp_path))
+    m = cfg.model
+    assert (m.family, m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == ("qwen3_moe", 128, 8, 768)
+    assert m.moe_norm_topk_prob is True and m.mlp_only_layers == [] and m.decoder_sparse_step == 1
+    assert m.moe_aux_loss_coeff == 0.001 and m.moe_z_loss_coeff == 0.0
+    # A coefficient set by the user is kept (it is a setting, not part of the shape).
+    assert load_config(_moe_run(tmp_path), ["model.moe_aux_loss_coeff=0"]).model.moe_aux_loss_coeff == 0.0
+    # transformers 5 writes num_local_experts.
+    hf = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "num_local_experts": 64}))
+    assert load_config(tmp_path / "run.yaml").model.num_experts == 64
+
+
+def test_expert_parallel_size_is_checked_with_the_nearest_valid_values(tmp_path):
+    run = _moe_run(tmp_path)
+    assert error_of(run, ["parallel.ep_size=3"]) == (
+        "command line: parallel.ep_size=3 must divide model.num_experts=128; nearest valid parallel.ep_size: 2 or 4"
+    )
+    # 8 ranks at tp 2: a stage has tp * dp = 8 ranks, so ep 16 divides the experts but not the stage.
+    message = error_of(run, ["parallel.ep_size=16"])
+    assert "parallel.ep_size=16 must divide the ranks of a pipeline stage, tp_size*cp_size*dp_size=2*1*4=8" in message
+    assert message.endswith("nearest valid parallel.ep_size: 8")
+    assert "needs parallel.sequence_parallel=true" in error_of(run, ["parallel.sequence_parallel=false"])
+    assert "needs a mixture-of-experts model" in error_of(TINY, ["parallel.ep_size=2"])
+    assert "only models with experts in every layer" in error_of(_moe_run(tmp_path, mlp_only_layers=[0]))
+    assert "exceeds model.num_experts=128" in error_of(_moe_run(tmp_path, num_experts_per_tok=200))
 
 
 def test_overrides_with_type_coercion():
