@@ -236,12 +236,13 @@ class MegatronActor:
         only the load-balancing loss sees)."""
         counts = torch.tensor([len(micro) for micro in planned], dtype=torch.int64, device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
+        width = self.pad_multiple
+
+        def zeros_like_or_none(value):
+            return None if value is None else torch.zeros(1, width, device=self.device)
+
         for micro, target in zip(planned, counts.tolist()):
             template = micro[0]
-            width = self.pad_multiple
-
-            def zeros_like_or_none(value):
-                return None if value is None else torch.zeros(1, width, device=self.device)
 
             while len(micro) < target:
                 micro.append(
