@@ -222,7 +222,9 @@ def _with_local_norms(spec):
             spec.submodules = _with_local_norms(spec.submodules)
         return spec
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: _with_local_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)})
+        return dataclasses.replace(
+            spec, **{f.name: _with_local_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+        )
     return spec
 
 
