@@ -54,7 +54,7 @@ def point_latest_at(save_dir: str | os.PathLike, checkpoint: Path, step: int) ->
 
 
 def _layout(actor) -> dict:
-    return {"tp_size": actor.parallel.tp_size, "pp_size": actor.parallel.pp_size}
+    return {"tp_size": actor.parallel.tp_size, "pp_size": actor.parallel.pp_size, "ep_size": actor.parallel.ep_size}
 
 
 def _sharded_state_dict(actor, is_loading: bool) -> dict:
@@ -85,6 +85,10 @@ def _sharded_state_dict(actor, is_loading: bool) -> dict:
             metadata={
                 "distrib_optim_sharding_type": "fully_reshardable",
                 "distrib_optim_fully_reshardable_mem_efficient": True,
+                # Experts have an optimizer of their own at ep > 1 only (megatron's
+                # chained optimizer); without a "chained_<i>." prefix the state keys are
+                # the parameters' at every ep size, so a checkpoint moves between them.
+                "chained_optim_avoid_prefix": True,
             },
         ),
         "rng_state": ShardedObject(

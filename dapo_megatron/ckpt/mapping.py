@@ -419,21 +419,28 @@ def shard_to_hf_pieces(
 _HF_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
+def fused_expert_param(name: str) -> Optional[str]:
+    """The transformers 5 fused parameter (``mlp.experts.gate_up_proj`` or ``down_proj``)
+    that holds checkpoint tensor ``name`` (``...mlp.experts.{e}.gate_proj.weight``), or
+    None when ``name`` is no expert tensor."""
+    match = _HF_EXPERT.match(name)
+    if match is None:
+        return None
+    return f"{match['experts']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}"
+
+
 def fused_expert_view(params: dict[str, torch.Tensor], name: str) -> Optional[torch.Tensor]:
     """Where checkpoint tensor ``name`` (``...mlp.experts.{e}.gate_proj.weight``) lives in a
     transformers model whose experts are fused 3D parameters (transformers 5:
     ``mlp.experts.gate_up_proj`` ``[experts, 2 * f, hidden]``, each expert ``[gate; up]``,
     and ``mlp.experts.down_proj`` ``[experts, hidden, f]``): a view of ``params``' tensor,
     or None when ``name`` is no expert tensor or the model keeps its experts unfused."""
-    match = _HF_EXPERT.match(name)
-    if match is None:
-        return None
-    experts, e, proj = match["experts"], int(match["e"]), match["proj"]
-    if proj == "down_proj":
-        fused = params.get(f"{experts}.down_proj")
-        return None if fused is None else fused[e]
-    fused = params.get(f"{experts}.gate_up_proj")
+    fused = params.get(fused_expert_param(name) or "")
     if fused is None:
         return None
+    match = _HF_EXPERT.match(name)
+    e = int(match["e"])
+    if match["proj"] == "down_proj":
+        return fused[e]
     half = fused.shape[1] // 2
-    return fused[e, :half] if proj == "gate_proj" else fused[e, half:]
+    return fused[e, :half] if match["proj"] == "gate_proj" else fused[e, half:]

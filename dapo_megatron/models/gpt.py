@@ -239,6 +239,21 @@ def _without_te_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _mark_experts(gpt) -> None:
+    """Mark every expert weight as megatron marks it at ep > 1 (``allreduce=False``), at
+    ep 1 too. Then DDP reduces expert gradients over the expert-data-parallel group,
+    which (expert-tensor-parallel size 1) spans the attention's tensor-parallel ranks,
+    each of which routed its own part of the sequence: reduced with the dense weights
+    over the data-parallel group only, their tensor-parallel partial sums would be lost.
+    And the experts get their own optimizer at every ep size, so the optimizer state of
+    a checkpoint has the same structure, and moves between ep sizes."""
+    from dapo_megatron.ckpt.mapping import local_expert_of
+
+    for name, param in gpt.named_parameters():
+        if name.startswith("decoder.layers.") and local_expert_of(name.split(".", 3)[3]) is not None:
+            param.allreduce = False
+
+
 def build_model(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -285,6 +300,8 @@ def build_model(
         gpt = _gpt_model(GPTModel, config, layer_spec, model, parallel, pre_process, post_process)
     finally:
         transformer_block.LayerNormImpl = final_norm
+    if config.num_moe_experts:
+        _mark_experts(gpt)
     if post_process and not output_logits:
         _defer_output_layer(gpt.output_layer)
     if device_type == "cuda":

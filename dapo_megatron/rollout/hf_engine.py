@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from dapo_megatron.ckpt.mapping import ModelShape, hf_shapes
+from dapo_megatron.ckpt.mapping import ModelShape, fused_expert_param, fused_expert_view, hf_shapes
 from dapo_megatron.models.families import DEFAULT_MODEL_TYPE
 from dapo_megatron.rollout.engine import (
     Generation,
@@ -84,7 +84,23 @@ def hf_config_for(model_config):
         rms_norm_eps=model_config.rms_norm_eps,
         rope_theta=model_config.rope_theta,
         max_position_embeddings=model_config.max_position_embeddings,
+        **_experts_of(model_config),
     )
+
+
+def _experts_of(model_config) -> dict:
+    """The HF config keys of a mixture-of-experts family's experts (none for dense)."""
+    if model_config.num_experts is None:
+        return {}
+    return {
+        "num_experts": model_config.num_experts,
+        "num_experts_per_tok": model_config.moe_router_topk,
+        "moe_intermediate_size": model_config.moe_ffn_hidden_size,
+        "norm_topk_prob": model_config.moe_norm_topk_prob,
+        "decoder_sparse_step": model_config.decoder_sparse_step,
+        "mlp_only_layers": list(model_config.mlp_only_layers or []),
+        "router_aux_loss_coef": model_config.moe_aux_loss_coeff or 0.0,
+    }
 
 
 def hf_eos_token_ids(hf_dir) -> tuple[int, ...]:
@@ -139,7 +155,10 @@ class HFRolloutEngine(RolloutEngine):
         self._update_group = None  # the weight-update group, once joined (separate engines)
         threads = torch.get_num_threads()
         self._copy_pool = ThreadPoolExecutor(threads) if self.device.type == "cpu" and threads > 1 else None
-        unknown = sorted(set(self._expected) - set(self._params))
+        # Checkpoint name -> the model parameter holding it: itself, or (experts, in
+        # transformers 5) the fused 3D parameter of its layer's experts.
+        self._holder = {name: name if name in self._params else fused_expert_param(name) for name in self._expected}
+        unknown = sorted(name for name, holder in self._holder.items() if holder not in self._params)
         if unknown:
             raise ValueError(f"the HF model has no parameters {unknown[:5]} that a model of this shape needs")
 
@@ -243,15 +262,16 @@ class HFRolloutEngine(RolloutEngine):
             copies = []
             offsets = bucket.offsets or [None] * len(bucket.tensors)
             for (name, tensor), offset in zip(bucket.tensors, offsets):
-                self._check(name, tensor, staged, offset, filled)
-                spare = self._spare.get(name)
+                self._check(name, tensor, filled, offset)
+                holder = self._holder[name]
+                spare = self._spare.get(holder)
                 if spare is None:
-                    spare = self._spare[name] = torch.empty_like(self._params[name].data)
-                target = spare
+                    spare = self._spare[holder] = torch.empty_like(self._params[holder].data)
+                target = spare if holder == name else fused_expert_view({holder: spare}, name)
                 for dim, (start, size) in enumerate(zip(offset or (), tensor.shape)):
                     target = target.narrow(dim, start, size)
                 copies.append((target, tensor))
-                staged[name] = spare
+                staged[holder] = spare
                 filled[name] = filled.get(name, 0) + tensor.numel()
             copy_start = time.perf_counter()
             parallel_copy(copies, self._copy_pool)
@@ -335,7 +355,7 @@ class HFRolloutEngine(RolloutEngine):
             )
         return self._session
 
-    def _check(self, name: str, tensor: torch.Tensor, staged: dict, offset=None, filled=None) -> None:
+    def _check(self, name: str, tensor: torch.Tensor, filled: dict, offset=None) -> None:
         if name not in self._expected:
             raise WeightSyncError(f"weight sync sent unknown tensor {name!r}; the engine keeps its previous weights")
         full = tuple(self._expected[name])
@@ -354,7 +374,7 @@ class HFRolloutEngine(RolloutEngine):
                     "the engine keeps its previous weights"
                 )
             return
-        if name in staged:
+        if name in filled:
             raise WeightSyncError(f"weight sync sent {name!r} twice; the engine keeps its previous weights")
         if tuple(tensor.shape) != tuple(self._expected[name]):
             raise WeightSyncError(
@@ -364,7 +384,10 @@ class HFRolloutEngine(RolloutEngine):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The served weights by HF name (detached references)."""
-        return {name: self._params[name].detach() for name in self._expected}
+        return {
+            name: self._params[name].detach() if holder == name else fused_expert_view(self._params, name).detach()
+            for name, holder in self._holder.items()
+        }
 
     # ------------------------------------------------------------------ memory and health
 

@@ -1,0 +1,62 @@
+"""Rank body for the mixture-of-experts system test: one actor layout loads a checkpoint,
+computes log-probs, feeds a transformers engine, trains one step (load-balancing loss
+on), feeds it again and saves a trainer checkpoint, writing what the test compares."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dapo_megatron.actor.batch import shard_for_data_parallel
+from dapo_megatron.actor.checkpoint import list_checkpoints, load_checkpoint, load_model_weights, save_checkpoint
+from dapo_megatron.actor.megatron_actor import MegatronActor
+from dapo_megatron.actor.weight_sync import sync_weights
+from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+from dapo_megatron.runtime.distributed import megatron_runtime
+from tests.distributed.actor_worker import actor_config, set_family
+from tests.distributed.reference_worker import NUM_MINI_BATCHES, VOCAB, old_log_probs_as_trained, reference_batch
+
+AUX_LOSS_COEFF = 0.01
+
+
+def moe_config(tp_size: int, ep_size: int, dp_size: int):
+    cfg = actor_config(tp_size, 1, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
+    set_family(cfg, "qwen3_moe", ep_size)
+    cfg.model.moe_aux_loss_coeff = AUX_LOSS_COEFF
+    return cfg
+
+
+def load_sync_train_save(workdir: str, tp_size: int, ep_size: int, dp_size: int, source: str, tag: str) -> None:
+    """``source``: ``mg`` (a converted checkpoint: model weights only) or the name of a
+    trainer checkpoint folder (everything restored). Writes ``{tag}.pt`` (log-probs
+    before and after the step, the engine's weights after each sync, the step's metrics)
+    and the trainer checkpoint ``ckpt_{tag}``."""
+    cfg = moe_config(tp_size, ep_size, dp_size)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+        if source == "mg":
+            load_model_weights(actor, os.path.join(workdir, source))
+        else:
+            load_checkpoint(actor, os.path.join(workdir, source))
+        batch = reference_batch()
+        batch.old_log_probs = old_log_probs_as_trained(actor, batch, info.dp_rank, dp_size)
+        engine = HFRolloutEngine.from_model_config(cfg.model) if info.rank == 0 else None
+        sync_weights(actor, engine, bucket_bytes=64 * 1024)
+        engine_before = {k: v.clone() for k, v in engine.state_dict().items()} if engine is not None else None
+        metrics = actor.train(shard_for_data_parallel(batch, info.dp_rank, dp_size, NUM_MINI_BATCHES), NUM_MINI_BATCHES)
+        after = old_log_probs_as_trained(actor, batch, info.dp_rank, dp_size)
+        sync_weights(actor, engine, bucket_bytes=64 * 1024)
+        save_checkpoint(actor, os.path.join(workdir, f"ckpt_{tag}"))
+        if info.rank == 0:
+            torch.save(
+                {
+                    "before": batch.old_log_probs,
+                    "after": after,
+                    "engine_before": engine_before,
+                    "engine_after": engine.state_dict(),
+                    "metrics": metrics,
+                    "checkpoint": str(list_checkpoints(os.path.join(workdir, f"ckpt_{tag}"))[-1]),
+                },
+                os.path.join(workdir, f"{tag}.pt"),
+            )
