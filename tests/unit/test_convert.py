@@ -129,6 +129,80 @@ def test_a_swapped_qwen3_qk_norm_fails_verification(tmp_path, monkeypatch):
     assert not (tmp_path / "mg").exists()
 
 
+def make_hf_qwen3_moe(path: Path, *, tied: bool, norm_topk_prob: bool = True, seed: int = 0) -> Path:
+    """A tiny random Qwen3MoeForCausalLM (2 layers of 4 experts, top 2), with router
+    weights large enough that the routing is far from ties."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=tied,
+        max_position_embeddings=128,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 1.0)
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(("tied", "norm_topk_prob"), [(False, True), (True, False)])
+def test_qwen3_moe_round_trip_is_bitwise_and_verified(tmp_path, tied, norm_topk_prob):
+    """Both routers (renormalised top-k, and the full softmax's top-k) verify against
+    transformers' logits; experts are stored as megatron stores them."""
+    hf = make_hf_qwen3_moe(tmp_path / "hf", tied=tied, norm_topk_prob=norm_topk_prob)
+    report = hf_to_megatron(hf, tmp_path / "mg", verify=True, progress=False)
+    assert report.verified and report.max_logit_error < 1e-5
+    stored = tensor_shapes(tmp_path / "mg")
+    assert stored["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == ((2, 4, 48, 64), torch.float32)
+    assert stored["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == ((2, 4, 64, 24), torch.float32)
+    assert stored["decoder.layers.mlp.router.weight"] == ((2, 4, 64), torch.float32)
+    assert "decoder.layers.mlp.linear_fc1.weight" not in stored
+    fc1 = read_chunk(
+        tmp_path / "mg", "decoder.layers.mlp.experts.experts.linear_fc1.weight", (1, 2, 0, 0), (1, 1, 48, 64), torch.float32
+    )[0, 0]
+    tensors = hf_tensors(hf)
+    assert torch.equal(fc1[:24], tensors["model.layers.1.mlp.experts.2.gate_proj.weight"])
+    assert torch.equal(fc1[24:], tensors["model.layers.1.mlp.experts.2.up_proj.weight"])
+    megatron_to_hf(tmp_path / "mg", hf, tmp_path / "back", verify=True, progress=False)
+    converted = hf_tensors(tmp_path / "back")
+    assert sorted(tensors) == sorted(converted)
+    assert all(torch.equal(converted[name], tensor) for name, tensor in tensors.items())
+
+
+def test_swapped_experts_or_gate_and_up_fail_verification(tmp_path, monkeypatch):
+    hf = make_hf_qwen3_moe(tmp_path / "hf", tied=False)
+    original = mapping.to_megatron
+
+    def swapping_experts(key, hf_tensors, shape):
+        tensor = original(key, hf_tensors, shape)
+        return tensor[[1, 0, 2, 3]] if key.endswith("experts.linear_fc2.weight") else tensor
+
+    monkeypatch.setattr(convert_module, "to_megatron", swapping_experts)
+    with pytest.raises(ConversionError, match="verification failed"):
+        hf_to_megatron(hf, tmp_path / "mg", verify=True, progress=False)
+    assert not (tmp_path / "mg").exists()
+    swapped = dict(mapping._ALL_LAYER_PARAMS)
+    swapped[mapping.EXPERT_FC1] = tuple(reversed(swapped[mapping.EXPERT_FC1]))  # [up; gate]
+    monkeypatch.setattr(convert_module, "to_megatron", original)
+    monkeypatch.setattr(mapping, "_ALL_LAYER_PARAMS", swapped)
+    with pytest.raises(ConversionError, match="verification failed"):
+        hf_to_megatron(hf, tmp_path / "mg", verify=True, progress=False)
+
+
 def test_qkv_layout_is_grouped_per_query_group(tmp_path):
     hf = make_hf(tmp_path / "hf", layers=1)
     hf_to_megatron(hf, tmp_path / "mg", verify=False, progress=False)
