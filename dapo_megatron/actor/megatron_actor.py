@@ -161,6 +161,14 @@ class MegatronActor:
             self.reference = build_model(model, parallel, self.device.type, output_logits=False)
             self.reference.requires_grad_(False)
             self.reference.eval()
+        # Routing metrics and the load-balancing loss's scale (mixture-of-experts only).
+        self.routing = None
+        if config.num_moe_experts:
+            from dapo_megatron.actor.routing import RoutingMonitor
+
+            self.routing = RoutingMonitor(
+                self.gpt, model.moe_aux_loss_coeff or 0.0, runtime.tp_rank, parallel.tp_size, parallel.sequence_parallel
+            )
 
     # ------------------------------------------------------------------ internals
 
@@ -326,9 +334,15 @@ class MegatronActor:
         gpt = self.reference if reference else None
         self.ddp.eval()
         micro = [mb for mini in self._update_micro_batches(batch, num_mini_batches) for mb in mini]
+        routing = self.routing if not reference else None
+        if routing is not None:
+            routing.begin("record")
+        index = iter(range(len(micro)))
 
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
+            if routing is not None:
+                routing.micro_batch(next(index), mb.tokens, mb.loss_mask)
             hidden = model(mb.tokens, mb.position_ids, None)
 
             def loss_func(output):
@@ -343,6 +357,11 @@ class MegatronActor:
             return hidden, loss_func
 
         outputs = self._run_schedule(micro, forward_step, forward_only=True, model=gpt)
+        if self.routing is not None:
+            from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+            self.routing.begin(None)
+            clear_aux_losses_tracker()
         shape = (2, batch.num_rows, batch.tokens.shape[1])
         result = None
         if self.is_last_stage:
@@ -404,13 +423,15 @@ class MegatronActor:
         self.scheduler.step(1)
         self.rollout_step += 1
         metrics = []
+        first = 0  # the index of the update's first micro-batch in the step's order
         for micro, (num_tokens, num_seqs) in zip(planned, counts.tolist()):
             if num_tokens <= 0:
                 # Every row filtered out (e.g. all truncated under overlong filtering) on
                 # every rank: no update; counted, and the step goes on.
                 metrics.append(self._empty_update())
-                continue
-            metrics.append(self._update(micro, num_tokens, num_seqs, temperature))
+            else:
+                metrics.append(self._update(micro, num_tokens, num_seqs, temperature, first))
+            first += len(micro)
         return metrics
 
     def _loss_and_gradients_finite(self, outputs: list[dict]) -> bool:
@@ -433,12 +454,26 @@ class MegatronActor:
         return metrics
 
     def _update(
-        self, micro: list[_MicroBatch], global_num_tokens: float, global_num_seqs: float, temperature: float
+        self,
+        micro: list[_MicroBatch],
+        global_num_tokens: float,
+        global_num_seqs: float,
+        temperature: float,
+        first: int = 0,
     ) -> dict[str, float]:
+        """One optimizer update on ``micro`` (whose first micro-batch is the step's
+        ``first``-th, in the order of the old-log-prob pass)."""
         algo = self.algorithm
+        routing = self.routing
+        if routing is not None:
+            routing.begin("compare")
+            routing.scale_for_update(len(micro), self.dp_group)
+        index = iter(range(first, first + len(micro)))
 
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
+            if routing is not None:
+                routing.micro_batch(next(index), mb.tokens, mb.loss_mask)
             hidden = model(mb.tokens, mb.position_ids, None)
 
             def loss_func(output):
@@ -526,4 +561,5 @@ class MegatronActor:
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "tokens": values["num_tokens"],
             "num_micro_batches": float(len(micro)),
+            **(routing.metrics(self.device) if routing is not None else {}),
         }

@@ -75,3 +75,22 @@ def test_trainer_checkpoints_move_between_ep2_and_ep1(moe_run):
     assert float((back["before"] - ep1["after"])[mask].abs().max()) <= 1e-5
     for run in (ep2, ep1, back):
         assert float((run["after"] - run["before"])[mask].abs().max()) > 1e-3  # it trained
+
+
+def test_routing_metrics_of_each_update(moe_run):
+    """The first update is on-policy: its routing is the old-log-prob pass's, token for
+    token (0 changed); the second runs on weights the first changed. The load-balancing
+    loss is megatron's (about 1 for balanced routing, at most the number of experts);
+    an expert never receives fewer tokens than the mean times 0 or more than all."""
+    for tag in ("ep2", "ep1", "back_at_ep2"):
+        first, second = torch.load(moe_run / f"{tag}.pt", weights_only=False)["metrics"]
+        assert first["moe_routing_changed"] == 0.0
+        assert 0.0 < second["moe_routing_changed"] < 1.0  # lr 1e-2 moves routing a lot
+        for update in (first, second):
+            assert 0.5 < update["moe_load_balancing_loss"] < 4.0
+            assert (
+                1.0
+                <= update["moe_tokens_per_expert_max_over_mean"]
+                <= update["moe_tokens_per_expert_max_over_mean_worst_layer"]
+                <= 4.0
+            )

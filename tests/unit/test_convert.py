@@ -172,7 +172,11 @@ def test_qwen3_moe_round_trip_is_bitwise_and_verified(tmp_path, tied, norm_topk_
     assert stored["decoder.layers.mlp.router.weight"] == ((2, 4, 64), torch.float32)
     assert "decoder.layers.mlp.linear_fc1.weight" not in stored
     fc1 = read_chunk(
-        tmp_path / "mg", "decoder.layers.mlp.experts.experts.linear_fc1.weight", (1, 2, 0, 0), (1, 1, 48, 64), torch.float32
+        tmp_path / "mg",
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+        (1, 2, 0, 0),
+        (1, 1, 48, 64),
+        torch.float32,
     )[0, 0]
     tensors = hf_tensors(hf)
     assert torch.equal(fc1[:24], tensors["model.layers.1.mlp.experts.2.gate_proj.weight"])
