@@ -11,7 +11,7 @@ SGLANG_WHEEL_DIR := $(VENV)/sglang-wheel
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dapo-installed
 
-.PHONY: test lint install clean demo
+.PHONY: test lint install clean demo demo-moe
 
 test: $(STAMP)
 	$(PY) -m ruff check dapo_megatron tests benchmarks tools examples
@@ -30,6 +30,12 @@ DEMO_RUN ?= runs/demo/run-$(shell date +%Y%m%d-%H%M%S)
 demo: $(STAMP)
 	$(PY) examples/demo/prepare.py runs/demo
 	$(VENV)/bin/dapo-megatron train examples/demo/demo.yaml trainer.output_dir=$(DEMO_RUN)
+
+# The same task on a tiny Qwen3-MoE, its experts split over the two ranks (ep 2).
+DEMO_MOE_RUN ?= runs/demo_moe/run-$(shell date +%Y%m%d-%H%M%S)
+demo-moe: $(STAMP)
+	$(PY) examples/demo/prepare.py runs/demo_moe --model-config examples/demo/model_config_moe.json
+	$(VENV)/bin/dapo-megatron train examples/demo/demo_moe.yaml trainer.output_dir=$(DEMO_MOE_RUN)
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -82,14 +82,36 @@ def qkv_parameters(config: Config) -> int:
 
 
 def layer_parameters(config: Config) -> tuple[int, int]:
-    """``(tensor-parallel-sharded, replicated)`` parameters of one transformer layer: the
-    replicated ones are its two RMSNorms (and the q/k norms of families that have them)."""
+    """``(tensor-parallel-sharded, replicated)`` parameters of one transformer layer,
+    experts left out (:func:`expert_parameters`): the replicated ones are its two RMSNorms
+    (the q/k norms of families that have them, and the router of one with experts)."""
     m = config.model
     qkv = qkv_parameters(config)
     proj = m.hidden_size * m.num_attention_heads * m.head_dim
-    mlp = 3 * m.hidden_size * m.ffn_hidden_size
+    moe = family_named(m.family).moe
+    mlp = 0 if moe else 3 * m.hidden_size * m.ffn_hidden_size
+    router = m.num_experts * m.hidden_size if moe else 0
     qk_norms = 2 * m.head_dim if family_named(m.family).qk_norm else 0
-    return qkv + proj + mlp, 2 * m.hidden_size + qk_norms
+    return qkv + proj + mlp, 2 * m.hidden_size + qk_norms + router
+
+
+def expert_parameters(config: Config) -> int:
+    """Parameters of one layer's experts, all of them (0 for a dense family); split over
+    the expert-parallel ranks, each expert whole on its rank."""
+    m = config.model
+    if not family_named(m.family).moe:
+        return 0
+    return m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size
+
+
+def active_parameters(config: Config) -> int:
+    """Parameters one token goes through: all but the experts it is not routed to (the
+    top-k experts of each layer, the router, attention, embeddings)."""
+    m = config.model
+    total = count_parameters(config)
+    if not family_named(m.family).moe:
+        return total
+    return total - m.num_layers * expert_parameters(config) * (m.num_experts - m.moe_router_topk) // m.num_experts
 
 
 def count_parameters(config: Config) -> int:
@@ -97,11 +119,17 @@ def count_parameters(config: Config) -> int:
     m = config.model
     sharded, replicated = layer_parameters(config)
     embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-    return m.num_layers * (sharded + replicated) + m.hidden_size + embeddings
+    return m.num_layers * (sharded + replicated + expert_parameters(config)) + m.hidden_size + embeddings
 
 
 def stage_parameters_per_gpu(config: Config) -> list[int]:
     """Parameters held by one GPU of each pipeline stage (padded vocabulary)."""
+    return [dense + experts for dense, experts in stage_parameters_by_kind(config)]
+
+
+def stage_parameters_by_kind(config: Config) -> list[tuple[int, int]]:
+    """``(dense, expert)`` parameters on one GPU of each pipeline stage: their optimizer
+    states are sharded over different groups (data-parallel, expert-data-parallel)."""
     m, p = config.model, config.parallel
     sharded, replicated = layer_parameters(config)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size) * m.hidden_size
@@ -116,8 +144,31 @@ def stage_parameters_per_gpu(config: Config) -> list[int]:
             # The output layer; with tied embeddings and pp > 1 megatron keeps a copy here.
             if not m.tie_word_embeddings or len(split) > 1:
                 stage_sharded += vocab
-        per_stage.append(stage_sharded // p.tp_size + stage_replicated)
+        per_stage.append(
+            (stage_sharded // p.tp_size + stage_replicated, layers * expert_parameters(config) // p.ep_size)
+        )
     return per_stage
+
+
+def expert_data_parallel_size(config: Config) -> int:
+    """Ranks holding the same experts: a stage's tp x cp x dp ranks over ``ep_size``
+    (expert-tensor-parallel size 1)."""
+    p = config.parallel
+    return p.tp_size * p.cp_size * data_parallel_size(p) // p.ep_size
+
+
+def moe_activation_bytes(config: Config, tokens: int, layers: int, dtype_bytes: float) -> int:
+    """What the MoE layers of a stage keep for backward beyond the dense formula's MLP:
+    each token's ``k`` copies after dispatch (the all-to-all's send and receive buffers
+    of ``k h``), the experts' gate/up output (``2 f_e``) and activation (``f_e``) for each
+    copy, and the router's fp32 scores (``E``); tokens under sequence parallelism are a
+    rank's share. 0 for a dense family."""
+    m, p = config.model, config.parallel
+    if not family_named(m.family).moe:
+        return 0
+    local = tokens / (p.tp_size if p.sequence_parallel else 1)
+    per_token = m.moe_router_topk * (2 * m.hidden_size + 3 * m.moe_ffn_hidden_size) * dtype_bytes + 4 * m.num_experts
+    return int(layers * local * per_token * p.pp_size)
 
 
 def parameter_bytes(config: Config) -> int:
@@ -136,7 +187,7 @@ def stage_sync_bytes(config: Config) -> list[int]:
     split = pipeline_layer_split(m.num_layers, p)
     stages = []
     for stage, layers in enumerate(split):
-        params = layers * (sharded + replicated)
+        params = layers * (sharded + replicated + expert_parameters(config))
         if stage == 0:
             params += vocab
         if stage == len(split) - 1:
@@ -345,7 +396,10 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     """Per-GPU memory of the heaviest stage; see the module docstring for each term."""
     m, p, r, t = config.model, config.parallel, config.rollout, config.trainer
     dp = data_parallel_size(p)
-    params = max(stage_parameters_per_gpu(config))
+    by_kind = stage_parameters_by_kind(config)
+    heaviest = max(range(len(by_kind)), key=lambda stage: sum(by_kind[stage]))
+    dense_params, expert_params = by_kind[heaviest]
+    params = dense_params + expert_params
     on_cpu = p.device == "cpu"
     param_bytes = parameter_bytes(config)
     # The activation formula counts 2-byte activations; fp32 runs hold twice that.
@@ -357,6 +411,7 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     full_per_token_layer = h * 34 / p.tp_size if p.sequence_parallel else h * (10 + 24 / p.tp_size)
     activations_recompute = int(layers * tokens * recompute_per_token_layer * p.pp_size * activation_scale)
     activations_no_recompute = int(layers * tokens * full_per_token_layer * p.pp_size * activation_scale)
+    activations_no_recompute += moe_activation_bytes(config, tokens, layers, param_bytes)
     vocab_shard = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size) // p.tp_size
     chunk_tokens = min(tokens, max(16, LOGPROB_CHUNK_BYTES // (4 * vocab_shard)))
     logprob = 2 * chunk_tokens * vocab_shard * 4 + tokens * h * param_bytes
@@ -373,7 +428,11 @@ def estimate_memory(config: Config) -> MemoryEstimate:
         parameters=params,
         weights=params * param_bytes,
         gradients=params * 4,
-        optimizer=params * optimizer_bytes // (dp if p.use_distributed_optimizer else 1),
+        optimizer=(
+            dense_params * optimizer_bytes // dp + expert_params * optimizer_bytes // expert_data_parallel_size(config)
+            if p.use_distributed_optimizer
+            else params * optimizer_bytes
+        ),
         activations=activations_recompute if m.recompute_activations else activations_no_recompute,
         activations_no_recompute=activations_no_recompute,
         activations_recompute=activations_recompute,
@@ -663,18 +722,33 @@ def format_plan(plan: Plan) -> str:
         engines = f"{r.num_engines} SGLang engines x tp {r.engine_tp_size}, gpu_memory_utilization {r.gpu_memory_utilization:g}"
     else:
         engines = f"{r.num_engines} transformers engine(s) (fp32), on the {'CPU' if host is not None else 'GPUs'}"
+    experts = ""
+    if family_named(c.model.family).moe:
+        experts = (
+            f"; {c.model.num_experts} experts of width {c.model.moe_ffn_hidden_size} per layer, top "
+            f"{c.model.moe_router_topk}: {active_parameters(c):,} active per token"
+        )
+    expert_layout = ""
+    if p.ep_size > 1 or experts:
+        expert_layout = (
+            f"; experts: ep {p.ep_size} ({c.model.num_experts // p.ep_size} per rank), expert-dp "
+            f"{expert_data_parallel_size(c)}"
+        )
     lines = [
         f"model: {plan.num_parameters:,} parameters ({c.model.num_layers} layers, hidden {c.model.hidden_size}, "
-        f"vocab {c.model.vocab_size} padded to {plan.padded_vocab})",
+        f"vocab {c.model.vocab_size} padded to {plan.padded_vocab}{experts})",
         f"layout: world {p.world_size} = tp {p.tp_size} x pp {p.pp_size} x dp {data_parallel_size(p)} x cp {p.cp_size}; "
         f"layers per stage {plan.layer_split}; sequence_parallel={p.sequence_parallel}; "
-        f"recompute={c.model.recompute_activations}",
+        f"recompute={c.model.recompute_activations}{expert_layout}",
         f"rollout: {engines}",
         f"{where} ({mem.parameters:,} parameters):",
         row(f"weights ({dtype})", mem.weights),
         *([row(f"KL reference policy ({dtype}, frozen)", mem.reference)] if mem.reference else []),
         row("gradients (fp32 buffer)", mem.gradients),
-        row(f"optimizer (fp32 {'m+v' if dtype == 'fp32' else 'main+m+v'} / dp)", mem.optimizer),
+        row(
+            f"optimizer (fp32 {'m+v' if dtype == 'fp32' else 'main+m+v'} / {'(e)dp' if experts else 'dp'})",
+            mem.optimizer,
+        ),
         row(
             f"activations ({c.trainer.micro_batch_max_tokens} tokens x {p.pp_size} in flight, "
             f"{'with' if c.model.recompute_activations else 'without'} recompute)",

@@ -543,7 +543,29 @@ def _update_metrics(all_updates: list[dict[str, float]]) -> dict[str, float]:
     def mean(key: str) -> float:
         return sum(u[key] * u["tokens"] for u in updates) / tokens
 
+    # A mixture-of-experts actor's routing (actor/routing.py): the first update's
+    # routing_changed is the on-policy one (0); the step reports the later ones' mean and
+    # the largest, the rest as means over updates.
+    routing = {}
+    if "moe_tokens_per_expert_max_over_mean" in updates[0]:
+        later = [u["moe_routing_changed"] for u in updates[1:] if "moe_routing_changed" in u]
+        routing = {
+            "moe/tokens_per_expert_max_over_mean": sum(u["moe_tokens_per_expert_max_over_mean"] for u in updates)
+            / len(updates),
+            "moe/tokens_per_expert_max_over_mean_worst_layer": max(
+                u["moe_tokens_per_expert_max_over_mean_worst_layer"] for u in updates
+            ),
+            **(
+                {"moe/routing_changed": sum(later) / len(later), "moe/routing_changed_max": max(later)} if later else {}
+            ),
+            **(
+                {"moe/load_balancing_loss": sum(u["moe_load_balancing_loss"] for u in updates) / len(updates)}
+                if "moe_load_balancing_loss" in updates[0]
+                else {}
+            ),
+        }
     return {
+        **routing,
         "actor/loss": sum(u["loss"] for u in updates) / len(updates),
         "actor/entropy": mean("entropy"),
         "actor/mean_prob": mean("mean_prob"),

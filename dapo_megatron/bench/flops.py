@@ -18,6 +18,10 @@ tokens; generation at every sampled token):
               + 2 L h (2 f) + 2 L f h    SwiGLU: gate and up, then down
     output:     2 n h V
 
+A mixture-of-experts layer (Qwen3-MoE: ``E`` experts of width ``f_e``, top ``k``) counts
+the **active** parameters: each token goes through ``k`` experts, and the router scores
+it against all of them, so its MLP term is ``k (2 L h (2 f_e) + 2 L f_e h) + 2 L h E``.
+
 ``P = L (L + 1) / 2`` with causal attention (the pairs a causal kernel must compute);
 ``P = L^2`` counts the full square that an unfused kernel computes and masks (what
 ``torch``'s FLOP counter sees in transformers' eager attention). Backward costs twice
@@ -37,13 +41,25 @@ def linear_shapes(shape: ModelShape, tp_size: int = 1) -> list[tuple[int, int]]:
     rank holds them (q/k/v, output projection, gate/up, down), then the output layer."""
     h, d = shape.hidden_size, shape.head_dim
     a, g, f = shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size
-    return [
+    attention = [
         (h, (a + 2 * g) * d // tp_size),  # fused q, k, v (column parallel)
         (a * d // tp_size, h),  # output projection (row parallel)
-        (h, 2 * f // tp_size),  # gate and up (column parallel)
-        (f // tp_size, h),  # down (row parallel)
-        (h, shape.vocab_size // tp_size),  # output layer (vocabulary parallel)
     ]
+    if shape.num_experts:  # one expert (whole on its rank: expert-tensor-parallel 1), and the router
+        mlp = [(h, 2 * shape.moe_ffn_hidden_size), (shape.moe_ffn_hidden_size, h), (h, shape.num_experts)]
+    else:
+        mlp = [(h, 2 * f // tp_size), (f // tp_size, h)]  # gate and up (column parallel), down (row parallel)
+    return [*attention, *mlp, (h, shape.vocab_size // tp_size)]  # then the output layer (vocabulary parallel)
+
+
+def mlp_flops_per_token(shape: ModelShape) -> int:
+    """One layer's MLP FLOPs for one token: the SwiGLU, or the top-k experts' and the router's."""
+    h = shape.hidden_size
+    if shape.num_experts:
+        f = shape.moe_ffn_hidden_size
+        return shape.moe_router_topk * (2 * h * (2 * f) + 2 * f * h) + 2 * h * shape.num_experts
+    f = shape.ffn_hidden_size
+    return 2 * h * (2 * f) + 2 * f * h
 
 
 def attention_pairs(length: int, causal: bool = True) -> int:
@@ -54,13 +70,13 @@ def attention_pairs(length: int, causal: bool = True) -> int:
 def forward_flops(shape: ModelShape, seq_lengths: Iterable[int], logit_tokens: int, *, causal: bool = True) -> int:
     """Model FLOPs of one forward pass over sequences of ``seq_lengths`` tokens with
     next-token distributions at ``logit_tokens`` of them (see the module docstring)."""
-    h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    h, d = shape.hidden_size, shape.head_dim
     a, g = shape.num_attention_heads, shape.num_query_groups
     tokens = pairs = 0
     for length in seq_lengths:
         tokens += length
         pairs += attention_pairs(length, causal)
-    per_token = 2 * h * (a * d + 2 * g * d) + 2 * (a * d) * h + 2 * h * (2 * f) + 2 * f * h
+    per_token = 2 * h * (a * d + 2 * g * d) + 2 * (a * d) * h + mlp_flops_per_token(shape)
     attention = 2 * 2 * d * a * pairs
     return shape.num_layers * (tokens * per_token + attention) + 2 * logit_tokens * h * shape.vocab_size
 

@@ -103,6 +103,8 @@ class ModelShape:
     """Routed experts per layer; 0 for a dense model (a SwiGLU MLP of ``ffn_hidden_size``)."""
     moe_ffn_hidden_size: Optional[int] = None
     """Width of one expert's SwiGLU MLP."""
+    moe_router_topk: int = 0
+    """Experts each token is routed to."""
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -118,11 +120,10 @@ class ModelShape:
         the features come from its family."""
         get = model.get if isinstance(model, dict) else lambda name: getattr(model, name, None)
         family = family_named(get("family") or DEFAULT_MODEL_TYPE)
-        features = ("qkv_bias", "qk_norm", "num_experts", "moe_ffn_hidden_size")
+        expert_fields = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk")
+        features = ("qkv_bias", "qk_norm", *expert_fields)
         fields = {name: get(name) for name in cls.__dataclass_fields__ if name not in features}
-        experts = (
-            {"num_experts": get("num_experts"), "moe_ffn_hidden_size": get("moe_ffn_hidden_size")} if family.moe else {}
-        )
+        experts = {name: get(name) for name in expert_fields} if family.moe else {}
         return cls(**fields, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, **experts)
 
 

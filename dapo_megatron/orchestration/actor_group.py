@@ -523,11 +523,12 @@ class ActorGroup:
         )
         self._feeder_plans: dict[tuple, dict[int, list[int]]] = {}
         logger.info(
-            "actor up: %d ranks (tp %d, pp %d, dp %d)",
+            "actor up: %d ranks (tp %d, pp %d, dp %d%s)",
             self.world_size,
             parallel.tp_size,
             parallel.pp_size,
             self.world_size // (parallel.tp_size * parallel.pp_size * parallel.cp_size),
+            f", experts over ep {parallel.ep_size}" if parallel.ep_size > 1 else "",
         )
 
     def load_weights(self, source: str, path: str) -> None:

@@ -9,7 +9,9 @@ form but is often wrong. The demo makes one in seconds on a CPU:
 - **Tokenizer**: a 16-token Hugging Face tokenizer (digits, ``+``, ``=``, ``Answer: ``,
   newline, EOS, PAD), saved with ``transformers`` so the trainer loads it like any other.
 - **Base model**: a tiny Qwen2 (3 layers, hidden 128, 4 heads, 2 KV heads, tied
-  embeddings; its architecture is ``model_config.json`` next to this file), supervised the
+  embeddings; its architecture is ``model_config.json`` next to this file), or with
+  ``--model-config model_config_moe.json`` a tiny Qwen3-MoE (3 layers of 4 experts, top 2),
+  supervised the
   way a pretrained model comes to RL: it has the answer format and a rule that is mostly
   right, ``(a+b) mod 10`` (right exactly when there is no carry, 55 of the 100 problems),
   and it has seen the carried sum now and then (in ``carry_share`` of the carry examples),
@@ -33,7 +35,8 @@ import torch
 
 VOCAB = ["<pad>", "<eos>", *[str(d) for d in range(10)], "+", "=", "Answer: ", "\n"]
 MODEL_CONFIG = Path(__file__).with_name("model_config.json")
-"""The base model's architecture, committed so that demo.yaml names it before this runs."""
+"""The base model's architecture, committed so that demo.yaml names it before this runs
+(``model_config_moe.json``: the Qwen3-MoE one of ``demo_moe.yaml``, ``--model-config``)."""
 RECIPE = {
     "model": json.loads(MODEL_CONFIG.read_text()),
     "sft_steps": 1000,
@@ -79,20 +82,21 @@ def write_task(data_dir: Path) -> None:
         (data_dir / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def warm_up(out: Path, tokenizer):
-    """The supervised warm-up; saves the model to ``out`` and returns it."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def warm_up(out: Path, tokenizer, model_config: Path = MODEL_CONFIG):
+    """The supervised warm-up of a model of architecture ``model_config`` (any family
+    transformers knows); saves the model to ``out`` and returns it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(RECIPE["seed"])
     rng = random.Random(RECIPE["seed"])
-    config = Qwen2Config.from_json_file(MODEL_CONFIG)
+    config = AutoConfig.for_model(**json.loads(model_config.read_text()))
     if (config.vocab_size, config.eos_token_id, config.pad_token_id) != (
         len(VOCAB),
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
     ):
-        raise SystemExit(f"{MODEL_CONFIG} disagrees with the demo tokenizer (vocabulary, EOS or PAD id)")
-    model = Qwen2ForCausalLM(config)
+        raise SystemExit(f"{model_config} disagrees with the demo tokenizer (vocabulary, EOS or PAD id)")
+    model = AutoModelForCausalLM.from_config(config)
     steps, warmup = RECIPE["sft_steps"], RECIPE["sft_warmup_steps"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE["sft_lr"])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) * (1 - i / steps))
@@ -167,18 +171,27 @@ def _sampled_accuracy(model, tokenizer, prompt, total: int, generator) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="demo folder (base model in OUT/base, data in OUT/data)")
+    parser.add_argument(
+        "--model-config",
+        type=Path,
+        default=MODEL_CONFIG,
+        help="the base model's config.json (default: the Qwen2 one; model_config_moe.json: Qwen3-MoE)",
+    )
     args = parser.parse_args(argv)
+    if not args.model_config.is_file():
+        parser.error(f"--model-config {args.model_config}: no such file")
+    recipe = {**RECIPE, "model": json.loads(args.model_config.read_text())}
     base, data = args.out / "base", args.out / "data"
     stamp = base / "demo_recipe.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == RECIPE and (data / "val.jsonl").exists():
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe and (data / "val.jsonl").exists():
         print(f"demo: base model and data already in {args.out}")
         return 0
     start = time.perf_counter()
     base.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(base)
     write_task(data)
-    report = describe(warm_up(base, tokenizer), tokenizer)
-    stamp.write_text(json.dumps(RECIPE))
+    report = describe(warm_up(base, tokenizer, args.model_config), tokenizer)
+    stamp.write_text(json.dumps(recipe))
     (base / "demo_base_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(
         f"demo: base model written to {base} after {RECIPE['sft_steps']} supervised steps "

@@ -18,29 +18,57 @@ def _demo_prepare():
     return module
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A random tiny Qwen2 with the demo's tokenizer, and the demo's addition task."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _demo_task_with(root: Path, make_config) -> Path:
+    """The demo's tokenizer and task in ``root``, and a random model of the config that
+    ``make_config(vocab_size, eos_token_id)`` returns in ``root / "model"``."""
+    from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("e2e")
     prepare = _demo_prepare()
     tokenizer = prepare.build_tokenizer(root / "model")
     prepare.write_task(root / "data")
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(prepare.VOCAB),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
+    AutoModelForCausalLM.from_config(make_config(len(prepare.VOCAB), tokenizer.eos_token_id)).save_pretrained(
+        root / "model"
     )
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
     return root
+
+
+_TINY = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A random tiny Qwen2 with the demo's tokenizer, and the demo's addition task."""
+    from transformers import Qwen2Config
+
+    return _demo_task_with(
+        tmp_path_factory.mktemp("e2e"),
+        lambda vocab, eos: Qwen2Config(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, eos_token_id=eos, **_TINY
+        ),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory):
+    """A random tiny Qwen3-MoE (2 layers of 4 experts, top 2) with the demo's tokenizer and task."""
+    from transformers import Qwen3MoeConfig
+
+    return _demo_task_with(
+        tmp_path_factory.mktemp("e2e_moe"),
+        lambda vocab, eos: Qwen3MoeConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            head_dim=16,
+            eos_token_id=eos,
+            **_TINY,
+        ),
+    )
 
 
 def run_config(root: Path, out: Path, **overrides) -> dict:

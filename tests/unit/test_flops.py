@@ -62,3 +62,53 @@ def test_forward_and_backward_flops_equal_torchs_count_of_transformers_qwen2(tie
     # The causal count is smaller by exactly the masked half of the square (less the diagonal).
     masked_pairs = batch * (length * length - length * (length + 1) // 2)
     assert expected - forward_flops(shape, [length] * batch, batch * length) == 2 * 2 * 2 * 8 * 4 * masked_pairs
+
+
+def test_moe_flops_count_the_active_experts_as_torch_counts_transformers_qwen3_moe():
+    """With eager experts, transformers runs each token through its top-k experts only:
+    torch's FLOP counter sees exactly the active-parameter count (k experts and the router
+    per token), forward and forward + backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3MoeForCausalLM._from_config(config, attn_implementation="eager", experts_implementation="eager")
+    batch, length = 3, 7
+    ids = torch.randint(0, 40, (batch, length), generator=torch.Generator().manual_seed(0))
+    shape = ModelShape(
+        2,
+        32,
+        48,
+        4,
+        2,
+        40,
+        False,
+        head_dim=16,
+        qkv_bias=False,
+        qk_norm=True,
+        num_experts=4,
+        moe_ffn_hidden_size=24,
+        moe_router_topk=2,
+    )
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids)
+    assert counter.get_total_flops() == forward_flops(shape, [length] * batch, batch * length, causal=False)
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids).logits.sum().backward()
+    assert counter.get_total_flops() == train_flops(shape, [length] * batch, batch * length, causal=False)
+    # The experts' share: k of the E experts' (2 of 4), plus the router's 2 h E per token.
+    dense = ModelShape(2, 32, 2 * 24, 4, 2, 40, False, head_dim=16, qkv_bias=False, qk_norm=True)
+    router = 2 * 2 * 32 * 4 * batch * length
+    assert forward_flops(shape, [length] * batch, 0) == forward_flops(dense, [length] * batch, 0) + router

@@ -185,7 +185,8 @@ def test_a_preemption_sigterm_to_every_step_leaves_ray_up_until_the_trainer_has_
 
     copy = Path(env["STATE_DIR"]).parent / "unshielded" / "examples" / "qwen2_5_32b"
     copy.mkdir(parents=True)
-    (copy / "slurm_common.sh").write_text((SCRIPT.parent / "slurm_common.sh").read_text())
+    for name in ("slurm_common.sh", "dapo.yaml"):  # the script checks that its recipe is there
+        (copy / name).write_text((SCRIPT.parent / name).read_text())
     unshielded = copy / "train.sbatch"
     unshielded.write_text(SCRIPT.read_text().replace('"${RAY_STEP[@]}" ray start', "ray start"))
     for name in ("saved", "train.pid", "steps", "ray.pids"):
