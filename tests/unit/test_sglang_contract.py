@@ -337,3 +337,119 @@ def test_tp_workers_unwrap_their_own_value_of_a_local_serialized_tensor():
     assert "serialized_named_tensors[get_parallel().tp_rank]" in worker
     patch = wheel().read("sglang/srt/utils/patch_torch.py").decode()
     assert "def monkey_patch_torch_reductions" in patch and "uuid" in patch.lower()
+
+
+# ------------------------------------------------------------------ model families' weight names
+
+
+def _load_weights(model_file: str, model_class: str) -> ast.FunctionDef:
+    cls = find_class(parse(model_file), model_class)
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "load_weights")
+
+
+def _stacked_params_mapping(function: ast.FunctionDef) -> list[tuple]:
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "stacked_params_mapping" for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    raise AssertionError("no stacked_params_mapping")
+
+
+def _sglang_expert_mapping(function: ast.FunctionDef, num_experts: int) -> list[tuple]:
+    """SGLang's own ``FusedMoE.make_expert_params_mapping``, run from the wheel's source
+    with the checkpoint names the model's ``load_weights`` passes it."""
+    call = next(
+        n
+        for n in ast.walk(function)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "make_expert_params_mapping"
+    )
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "num_experts"}
+    fused_moe = find_class(parse("sglang/srt/layers/moe/fused_moe_triton/layer.py"), "FusedMoE")
+    method = next(
+        n for n in fused_moe.body if isinstance(n, ast.FunctionDef) and n.name == "make_expert_params_mapping"
+    )
+    method.decorator_list = []
+    namespace: dict = {"List": list, "Tuple": tuple}
+    exec(compile(ast.Module(body=[method], type_ignores=[]), "make_expert_params_mapping", "exec"), namespace)
+    return namespace["make_expert_params_mapping"](None, num_experts=num_experts, **kwargs)
+
+
+def _attributes(*model_files: str) -> set[str]:
+    """Every ``self.<name> = ...`` of the model files' classes: the module names their
+    parameters can have."""
+    names = set()
+    for path in model_files:
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                        if isinstance(element, ast.Attribute) and getattr(element.value, "id", None) == "self":
+                            names.add(element.attr)
+    return names
+
+
+def _route(name: str, stacked: list[tuple], experts: list[tuple]) -> str:
+    """The parameter SGLang's ``load_weights`` (Qwen3 / Qwen3-MoE) loads checkpoint tensor
+    ``name`` into, following its loop: stacked q/k/v and gate/up (experts skipped there),
+    then the experts' mapping, then the name itself."""
+    for param_name, weight_name, _ in stacked:
+        if weight_name in name and "mlp.experts" not in name:
+            return name.replace(weight_name, param_name)
+    for param_name, weight_name, _, _ in experts:
+        if weight_name in name:
+            return name.replace(weight_name, param_name)
+    return name
+
+
+@pytest.mark.parametrize(
+    ("family", "model_file", "model_class"),
+    [
+        ("qwen3", "sglang/srt/models/qwen3.py", "Qwen3ForCausalLM"),
+        ("qwen3_moe", "sglang/srt/models/qwen3_moe.py", "Qwen3MoeForCausalLM"),
+    ],
+)
+def test_sglang_loads_every_name_the_weight_sync_sends(family, model_file, model_class):
+    """Each HF name the weight sync sends for Qwen3 (q/k norms) and Qwen3-MoE (the router
+    ``mlp.gate``, each expert's ``mlp.experts.{e}.gate_proj/up_proj/down_proj``) reaches a
+    parameter of SGLang's model by the 0.5.23 wheel's ``load_weights``: the stacked q/k/v
+    and gate/up, and SGLang's own expert mapping (gate and up into ``w13_weight`` as shards
+    w1 and w3, down into ``w2_weight``) for every expert."""
+    from dapo_megatron.ckpt.mapping import ModelShape, hf_shapes
+
+    shape = ModelShape(2, 64, 96, 8, 2, 250, False, head_dim=16, qkv_bias=False, qk_norm=True)
+    if family == "qwen3_moe":
+        shape = ModelShape(**{**shape.__dict__, "num_experts": 4, "moe_ffn_hidden_size": 24, "moe_router_topk": 2})
+    function = _load_weights(model_file, model_class)
+    stacked = _stacked_params_mapping(function)
+    assert {(p, w, s) for p, w, s in stacked} >= {
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    }
+    experts = _sglang_expert_mapping(function, shape.num_experts) if family == "qwen3_moe" else []
+    attributes = _attributes(model_file, "sglang/srt/models/qwen2.py")
+    fused_params = set()
+    for node in ast.walk(parse("sglang/srt/layers/quantization/unquant.py")):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "register_parameter":
+            fused_params.add(ast.literal_eval(node.args[0]))
+    sent = sorted(hf_shapes(shape))
+    targets = {name: _route(name, stacked, experts) for name in sent}
+    for name, target in targets.items():
+        *modules, leaf = target.split(".")
+        modules = [m for m in modules if not m.isdigit() and m != "model"]
+        if ".mlp.experts." in name:
+            assert modules[-1] == "experts" and leaf in fused_params, (name, target)
+            modules = modules[:-1]
+        else:
+            assert leaf == "weight", (name, target)
+        missing = [m for m in modules if m not in attributes]
+        assert not missing, (name, target, missing)
+    if family == "qwen3_moe":
+        routed = {t for n, t in targets.items() if ".mlp.experts." in n}
+        assert routed == {f"model.layers.{i}.mlp.experts.w{k}_weight" for i in range(2) for k in (13, 2)}
+        shards = {(e, s) for _, w, e, s in experts if f"experts.{e}.gate_proj." == w or f"experts.{e}.up_proj." == w}
+        assert shards == {(e, s) for e in range(4) for s in ("w1", "w3")}
+        assert {"gate", "experts", "q_norm", "k_norm"} <= attributes
