@@ -198,3 +198,21 @@ def moe_log_probs_of_controls(workdir: str, ep_size: int) -> None:
             out[name] = old_log_probs_as_trained(actor, reference_batch(), info.dp_rank, ep_size)
         if info.rank == 0:
             torch.save(out, os.path.join(workdir, "controls.pt"))
+
+
+def qwen3_log_probs_without_qk_norms(workdir: str) -> None:
+    """A negative control for the Qwen3 reference test: the reference batch's log-probs
+    from the right actor and from one whose q/k norms are left at their initial ones (as a
+    mapping that drops HF ``q_norm`` / ``k_norm`` would leave them)."""
+    cfg = actor_config(1, 1, vocab_size=VOCAB, micro_batch_max_tokens=24)
+    set_family(cfg, "qwen3")
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+        load_hf_model_weights(actor, os.path.join(workdir, "hf_tied0"))
+        out = {"right": old_log_probs_as_trained(actor, reference_batch(), 0, 1)}
+        with torch.no_grad():
+            for name, param in actor.gpt.named_parameters():
+                if "q_layernorm" in name or "k_layernorm" in name:
+                    param.fill_(1.0)
+        out["without_qk_norms"] = old_log_probs_as_trained(actor, reference_batch(), 0, 1)
+        torch.save(out, os.path.join(workdir, "controls.pt"))

@@ -241,6 +241,28 @@ def test_first_ratio_is_exactly_one_whatever_the_gemm_kernels(tmp_path):
         assert metrics[1]["ratio_max"] > 1.0  # the second update is off-policy
 
 
+def _control_errors(tmp_path) -> dict[str, float]:
+    """Each control's largest log-prob error against the float64 model in ``hf_tied0``."""
+    got = torch.load(tmp_path / "controls.pt")
+    batch = reference_worker.reference_batch()
+    with torch.no_grad():
+        expected = _log_probs(_float64_model(tmp_path / "hf_tied0", False, None), batch.tokens)
+    mask = batch.response_mask()[:, 1:].bool()
+    return {name: float((lp[:, 1:].double() - expected)[mask].abs().max()) for name, lp in got.items()}
+
+
+def test_qwen3_without_its_qk_norms_is_far_from_the_reference(tmp_path):
+    """The Qwen3 reference test can fail: with its q/k norms (randomised away from 1 by
+    the test) the actor's log-probs are within 1e-5 of the float64 ``Qwen3ForCausalLM``;
+    with them left at 1 they are more than 1e-3 away."""
+    model = tiny_hf_model("qwen3", False, seed=SEEDS["qwen3"], attn_implementation="eager")
+    _randomize_biases(model)
+    model.save_pretrained(tmp_path / "hf_tied0")
+    launch_local(reference_worker.qwen3_log_probs_without_qk_norms, 1, (str(tmp_path),))
+    errors = _control_errors(tmp_path)
+    assert errors["right"] <= 1e-5 and errors["without_qk_norms"] > 1e-3, errors
+
+
 def test_moe_negative_controls_are_far_from_the_reference(tmp_path):
     """The MoE reference test can fail: at ep 2 x dp 2 the actor's log-probs equal the
     float64 ``Qwen3MoeForCausalLM``'s within 1e-5, while a router that does not renormalise
@@ -254,18 +276,5 @@ def test_moe_negative_controls_are_far_from_the_reference(tmp_path):
             fused[[0, 2]] = fused[[2, 0]].clone()
     model.save_pretrained(tmp_path / "hf_swapped")
     launch_local(reference_worker.moe_log_probs_of_controls, 2, (str(tmp_path), 2))
-    got = torch.load(tmp_path / "controls.pt")
-    batch = reference_worker.reference_batch()
-    reference = _float64_model(tmp_path / "hf_tied0", False, None)
-    with torch.no_grad():
-        expected = _log_probs(reference, batch.tokens)
-    mask = batch.response_mask()[:, 1:].bool()
-
-    def error(name: str) -> float:
-        return float((got[name][:, 1:].double() - expected)[mask].abs().max())
-
-    assert error("right") <= 1e-5, error("right")
-    assert error("wrong_norm_topk_prob") > 1e-3 and error("swapped") > 1e-3, (
-        error("wrong_norm_topk_prob"),
-        error("swapped"),
-    )
+    errors = _control_errors(tmp_path)
+    assert errors["right"] <= 1e-5 and errors["wrong_norm_topk_prob"] > 1e-3 and errors["swapped"] > 1e-3, errors
