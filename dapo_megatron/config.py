@@ -753,16 +753,6 @@ def _validate_experts(config: Config, fail) -> None:
             ("model.mlp_only_layers",),
             f"model.mlp_only_layers={m.mlp_only_layers} names layers {out_of_range} outside 0..{m.num_layers - 1}",
         )
-    if not all(moe_layers(m)):
-        # Megatron stores the layers of such a model under per-layer checkpoint keys, which
-        # the converter and the weight sync do not write yet; every released Qwen3-MoE
-        # model has experts in every layer.
-        fail(
-            ("model.mlp_only_layers", "model.decoder_sparse_step"),
-            f"model.mlp_only_layers={m.mlp_only_layers} / model.decoder_sparse_step={m.decoder_sparse_step} "
-            "leave some layers dense; only models with experts in every layer are supported "
-            "(mlp_only_layers=[] and decoder_sparse_step=1, as in every released Qwen3-MoE)",
-        )
     if p.tp_size > 1 and not p.sequence_parallel:
         fail(
             ("parallel.sequence_parallel", "parallel.tp_size"),

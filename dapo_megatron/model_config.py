@@ -72,7 +72,7 @@ class ModelConfig:
     decoder_sparse_step: Optional[int] = None
     """Every this many layers is a mixture-of-experts layer (HF ``decoder_sparse_step``)."""
     mlp_only_layers: Optional[list[int]] = None
-    """Layers that keep a dense MLP (HF ``mlp_only_layers``)."""
+    """Layers that keep a dense MLP of width ``ffn_hidden_size`` (HF ``mlp_only_layers``)."""
     moe_aux_loss_coeff: Optional[float] = None
     """Coefficient of the router's load-balancing loss (megatron's ``moe_aux_loss_coeff``,
     one loss per layer and micro-batch, averaged over the micro-batches of an update);

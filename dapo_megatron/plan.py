@@ -54,6 +54,7 @@ from dapo_megatron.config import (
     ConfigError,
     apply_override,
     data_parallel_size,
+    moe_layers,
     padded_vocab_size,
     pipeline_layer_split,
     validate,
@@ -81,25 +82,25 @@ def qkv_parameters(config: Config) -> int:
     return rows * (m.hidden_size + int(family_named(m.family).qkv_bias))
 
 
-def layer_parameters(config: Config) -> tuple[int, int]:
-    """``(tensor-parallel-sharded, replicated)`` parameters of one transformer layer,
+def layer_parameters(config: Config, layer: int = 0) -> tuple[int, int]:
+    """``(tensor-parallel-sharded, replicated)`` parameters of transformer layer ``layer``,
     experts left out (:func:`expert_parameters`): the replicated ones are its two RMSNorms
-    (the q/k norms of families that have them, and the router of one with experts)."""
+    (the q/k norms of families that have them, and the router of a layer with experts)."""
     m = config.model
     qkv = qkv_parameters(config)
     proj = m.hidden_size * m.num_attention_heads * m.head_dim
-    moe = family_named(m.family).moe
+    moe = moe_layers(m)[layer]
     mlp = 0 if moe else 3 * m.hidden_size * m.ffn_hidden_size
     router = m.num_experts * m.hidden_size if moe else 0
     qk_norms = 2 * m.head_dim if family_named(m.family).qk_norm else 0
     return qkv + proj + mlp, 2 * m.hidden_size + qk_norms + router
 
 
-def expert_parameters(config: Config) -> int:
-    """Parameters of one layer's experts, all of them (0 for a dense family); split over
-    the expert-parallel ranks, each expert whole on its rank."""
+def expert_parameters(config: Config, layer: int = 0) -> int:
+    """Parameters of layer ``layer``'s experts, all of them (0 for a dense layer); split
+    over the expert-parallel ranks, each expert whole on its rank."""
     m = config.model
-    if not family_named(m.family).moe:
+    if not moe_layers(m)[layer]:
         return 0
     return m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size
 
@@ -111,15 +112,16 @@ def active_parameters(config: Config) -> int:
     total = count_parameters(config)
     if not family_named(m.family).moe:
         return total
-    return total - m.num_layers * expert_parameters(config) * (m.num_experts - m.moe_router_topk) // m.num_experts
+    experts = sum(expert_parameters(config, i) for i in range(m.num_layers))
+    return total - experts * (m.num_experts - m.moe_router_topk) // m.num_experts
 
 
 def count_parameters(config: Config) -> int:
     """Exact parameter count of the (unpadded) HF model."""
     m = config.model
-    sharded, replicated = layer_parameters(config)
+    layers = sum(sum(layer_parameters(config, i)) + expert_parameters(config, i) for i in range(m.num_layers))
     embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-    return m.num_layers * (sharded + replicated + expert_parameters(config)) + m.hidden_size + embeddings
+    return layers + m.hidden_size + embeddings
 
 
 def stage_parameters_per_gpu(config: Config) -> list[int]:
@@ -131,12 +133,13 @@ def stage_parameters_by_kind(config: Config) -> list[tuple[int, int]]:
     """``(dense, expert)`` parameters on one GPU of each pipeline stage: their optimizer
     states are sharded over different groups (data-parallel, expert-data-parallel)."""
     m, p = config.model, config.parallel
-    sharded, replicated = layer_parameters(config)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size) * m.hidden_size
     per_stage = []
     split = pipeline_layer_split(m.num_layers, p)
-    for stage, layers in enumerate(split):
-        stage_sharded, stage_replicated = layers * sharded, layers * replicated
+    for stage, indices in enumerate(_stage_layers(split)):
+        stage_sharded = sum(layer_parameters(config, i)[0] for i in indices)
+        stage_replicated = sum(layer_parameters(config, i)[1] for i in indices)
+        stage_experts = sum(expert_parameters(config, i) for i in indices)
         if stage == 0:
             stage_sharded += vocab
         if stage == len(split) - 1:
@@ -144,10 +147,14 @@ def stage_parameters_by_kind(config: Config) -> list[tuple[int, int]]:
             # The output layer; with tied embeddings and pp > 1 megatron keeps a copy here.
             if not m.tie_word_embeddings or len(split) > 1:
                 stage_sharded += vocab
-        per_stage.append(
-            (stage_sharded // p.tp_size + stage_replicated, layers * expert_parameters(config) // p.ep_size)
-        )
+        per_stage.append((stage_sharded // p.tp_size + stage_replicated, stage_experts // p.ep_size))
     return per_stage
+
+
+def _stage_layers(split: list[int]) -> list[range]:
+    """The global layer indices of each pipeline stage."""
+    starts = [sum(split[:stage]) for stage in range(len(split))]
+    return [range(start, start + layers) for start, layers in zip(starts, split)]
 
 
 def expert_data_parallel_size(config: Config) -> int:
@@ -181,13 +188,12 @@ def stage_sync_bytes(config: Config) -> list[int]:
     """Bytes of each pipeline stage's weights as a weight sync sends them: HF tensors
     (vocabulary unpadded, the output layer only when untied) in the parameters' dtype."""
     m, p = config.model, config.parallel
-    sharded, replicated = layer_parameters(config)
     param_bytes = parameter_bytes(config)
     vocab = m.vocab_size * m.hidden_size
     split = pipeline_layer_split(m.num_layers, p)
     stages = []
-    for stage, layers in enumerate(split):
-        params = layers * (sharded + replicated + expert_parameters(config))
+    for stage, indices in enumerate(_stage_layers(split)):
+        params = sum(sum(layer_parameters(config, i)) + expert_parameters(config, i) for i in indices)
         if stage == 0:
             params += vocab
         if stage == len(split) - 1:
@@ -411,7 +417,9 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     full_per_token_layer = h * 34 / p.tp_size if p.sequence_parallel else h * (10 + 24 / p.tp_size)
     activations_recompute = int(layers * tokens * recompute_per_token_layer * p.pp_size * activation_scale)
     activations_no_recompute = int(layers * tokens * full_per_token_layer * p.pp_size * activation_scale)
-    activations_no_recompute += moe_activation_bytes(config, tokens, layers, param_bytes)
+    # The MoE layers' share of the heaviest stage (all of them but mlp_only_layers).
+    moe_share = sum(moe_layers(m)) / m.num_layers
+    activations_no_recompute += moe_activation_bytes(config, tokens, round(layers * moe_share), param_bytes)
     vocab_shard = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size) // p.tp_size
     chunk_tokens = min(tokens, max(16, LOGPROB_CHUNK_BYTES // (4 * vocab_shard)))
     logprob = 2 * chunk_tokens * vocab_shard * 4 + tokens * h * param_bytes

@@ -130,7 +130,7 @@ def _stage_params_in_order(actor) -> list[tuple[str, str | tuple[str, ...], Opti
     layer's local experts come as one entry per expert tensor, with the names of all of
     them in local order."""
     gpt = actor.gpt
-    mapped = layer_params(ModelShape.from_model_config(actor.model_config))
+    shape = ModelShape.from_model_config(actor.model_config)
     params = [name for name, _ in gpt.named_parameters()]
     order: list[tuple[str, str | tuple[str, ...], Optional[int]]] = []
     if gpt.pre_process:
@@ -138,6 +138,7 @@ def _stage_params_in_order(actor) -> list[tuple[str, str | tuple[str, ...], Opti
     for local_index, layer in enumerate(gpt.decoder.layers):
         prefix = f"decoder.layers.{local_index}."
         experts: dict[str, dict[int, str]] = {}
+        mapped = layer_params(shape, layer.layer_number - 1)
         for name in sorted(n[len(prefix) :] for n in params if n.startswith(prefix)):
             expert = local_expert_of(name)
             if expert is not None:

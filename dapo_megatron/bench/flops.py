@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dapo_megatron.ckpt.mapping import ModelShape
+from dapo_megatron.ckpt.mapping import ModelShape, has_experts
 
 
 def linear_shapes(shape: ModelShape, tp_size: int = 1) -> list[tuple[int, int]]:
@@ -52,10 +52,11 @@ def linear_shapes(shape: ModelShape, tp_size: int = 1) -> list[tuple[int, int]]:
     return [*attention, *mlp, (h, shape.vocab_size // tp_size)]  # then the output layer (vocabulary parallel)
 
 
-def mlp_flops_per_token(shape: ModelShape) -> int:
-    """One layer's MLP FLOPs for one token: the SwiGLU, or the top-k experts' and the router's."""
+def mlp_flops_per_token(shape: ModelShape, layer: int = 0) -> int:
+    """Layer ``layer``'s MLP FLOPs for one token: the SwiGLU, or the top-k experts' and
+    the router's."""
     h = shape.hidden_size
-    if shape.num_experts:
+    if has_experts(shape, layer):
         f = shape.moe_ffn_hidden_size
         return shape.moe_router_topk * (2 * h * (2 * f) + 2 * f * h) + 2 * h * shape.num_experts
     f = shape.ffn_hidden_size
@@ -76,9 +77,10 @@ def forward_flops(shape: ModelShape, seq_lengths: Iterable[int], logit_tokens: i
     for length in seq_lengths:
         tokens += length
         pairs += attention_pairs(length, causal)
-    per_token = 2 * h * (a * d + 2 * g * d) + 2 * (a * d) * h + mlp_flops_per_token(shape)
+    per_token = 2 * h * (a * d + 2 * g * d) + 2 * (a * d) * h
+    mlp = sum(mlp_flops_per_token(shape, layer) for layer in range(shape.num_layers))
     attention = 2 * 2 * d * a * pairs
-    return shape.num_layers * (tokens * per_token + attention) + 2 * logit_tokens * h * shape.vocab_size
+    return shape.num_layers * (tokens * per_token + attention) + tokens * mlp + 2 * logit_tokens * h * shape.vocab_size
 
 
 def train_flops(shape: ModelShape, seq_lengths: Iterable[int], logit_tokens: int, *, causal: bool = True) -> int:

@@ -37,6 +37,8 @@ from dapo_megatron.ckpt.mapping import (
     hf_shapes,
     megatron_shapes,
     megatron_tensor_order,
+    stacked,
+    stored_key,
     to_hf,
     to_megatron,
 )
@@ -206,14 +208,15 @@ def hf_to_megatron(
     for key, layer in megatron_tensor_order(shape):
         names = hf_names_of(key, layer, shape)
         out_dtype = dtype or _torch_dtype(hf.dtypes[names[0]])
-        full = global_shapes[key]
-        offsets, sizes = _region(full, layer)
+        stored, layer_axis = stored_key(shape, key, layer), layer is not None and stacked(shape)
+        full = global_shapes[stored]
+        offsets, sizes = _region(full, layer if layer_axis else None)
 
-        def produce(key=key, names=names, layer=layer, out_dtype=out_dtype) -> torch.Tensor:
+        def produce(key=key, names=names, layer_axis=layer_axis, out_dtype=out_dtype) -> torch.Tensor:
             tensor = to_megatron(key, [hf.read(n) for n in names], shape).to(out_dtype)
-            return tensor.unsqueeze(0) if layer is not None else tensor
+            return tensor.unsqueeze(0) if layer_axis else tensor
 
-        chunks.append(dcp_io.ChunkSpec(key, tuple(full), offsets, tuple(sizes), out_dtype, produce))
+        chunks.append(dcp_io.ChunkSpec(stored, tuple(full), offsets, tuple(sizes), out_dtype, produce))
     total = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
     report = ConversionReport(out=out, num_tensors=len(chunks), num_bytes=total, verified=False)
     with _staged_output(out, overwrite) as staging:
@@ -242,7 +245,7 @@ def _check_megatron(ckpt: Path, stored: dict, shape: ModelShape, config_path: Pa
         )
     for key, want in expected.items():
         have = stored[key][0]
-        if key.startswith("decoder.layers.") and have[0] != want[0]:
+        if stacked(shape) and key.startswith("decoder.layers.") and have[0] != want[0]:
             raise ConversionError(
                 f"{ckpt} has {have[0]} layers ({key}) but {config_path} says num_hidden_layers={want[0]}; "
                 "the config and the checkpoint disagree"
@@ -335,7 +338,7 @@ def megatron_to_hf(
     names_to_shapes = hf_shapes(shape)
     groups = []
     for key, layer in megatron_tensor_order(shape):
-        out_dtype = dtype or stored[key][1]
+        out_dtype = dtype or stored[stored_key(shape, key, layer)][1]
         groups.append(((key, layer), [(n, names_to_shapes[n], out_dtype) for n in hf_names_of(key, layer, shape)]))
     shards: list[list] = [[]]
     shard_bytes = 0
@@ -360,10 +363,11 @@ def megatron_to_hf(
             for file_name, shard in zip(file_names, shards):
                 stream = _SafetensorsStream(staging / file_name, [entry for _, entries in shard for entry in entries])
                 for (key, layer), entries in shard:
-                    full, stored_dtype = stored[key]
-                    offsets, sizes = _region(full, layer)
-                    tensor = dcp_io.read_chunk(checkpoint, key, offsets, sizes, stored_dtype)
-                    converted = to_hf(key, tensor[0] if layer is not None else tensor, shape, layer)
+                    full, stored_dtype = stored[stored_key(shape, key, layer)]
+                    layer_axis = layer is not None and stacked(shape)
+                    offsets, sizes = _region(full, layer if layer_axis else None)
+                    tensor = dcp_io.read_chunk(checkpoint, stored_key(shape, key, layer), offsets, sizes, stored_dtype)
+                    converted = to_hf(key, tensor[0] if layer_axis else tensor, shape, layer)
                     for name, _, out_dtype in entries:
                         value = converted[name].to(out_dtype)
                         stream.write(name, value)

@@ -15,7 +15,8 @@ engines, so a layout mistake cannot hide in one of them. Megatron differs from H
   ``linear_qkv.layer_norm_weight``, ``post_attention_layernorm`` is
   ``linear_fc1.layer_norm_weight``.
 - **Layers** are stacked: Megatron's checkpoint stores ``decoder.layers.<name>`` as one
-  tensor ``[num_layers, ...]``.
+  tensor ``[num_layers, ...]``; in a mixture-of-experts model with dense layers among the
+  others each layer has keys of its own, ``decoder.layers.<i>.<name>`` (:func:`stored_key`).
 - **Vocabulary**: Megatron pads it to a multiple of ``divisor * tp``. Converted checkpoints
   store the HF rows only (Megatron's embedding and output layer load with a shape
   mismatch allowed, zero-filling padding); converting back strips any padding.
@@ -105,6 +106,10 @@ class ModelShape:
     """Width of one expert's SwiGLU MLP."""
     moe_router_topk: int = 0
     """Experts each token is routed to."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of a model with experts that keep a dense MLP (HF ``mlp_only_layers`` and
+    the layers ``decoder_sparse_step`` skips). With any, megatron stores every layer under
+    its own checkpoint keys (``decoder.layers.<i>.<name>``, no layer axis)."""
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -121,21 +126,49 @@ class ModelShape:
         get = model.get if isinstance(model, dict) else lambda name: getattr(model, name, None)
         family = family_named(get("family") or DEFAULT_MODEL_TYPE)
         expert_fields = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk")
-        features = ("qkv_bias", "qk_norm", *expert_fields)
+        features = ("qkv_bias", "qk_norm", "dense_layers", *expert_fields)
         fields = {name: get(name) for name in cls.__dataclass_fields__ if name not in features}
-        experts = {name: get(name) for name in expert_fields} if family.moe else {}
+        experts = {}
+        if family.moe:
+            skipped, step = set(get("mlp_only_layers") or []), get("decoder_sparse_step") or 1
+            dense = tuple(i for i in range(get("num_layers")) if i in skipped or (i + 1) % step)
+            experts = {**{name: get(name) for name in expert_fields}, "dense_layers": dense}
         return cls(**fields, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, **experts)
 
 
-def layer_params(shape: ModelShape) -> dict[str, tuple[str, ...]]:
-    """Megatron layer parameter -> HF names of layer ``{i}``, for ``shape``'s family."""
+def has_experts(shape: ModelShape, layer: int) -> bool:
+    """Whether ``layer`` of ``shape`` is a mixture-of-experts layer."""
+    return bool(shape.num_experts) and layer not in shape.dense_layers
+
+
+def layer_params(shape: ModelShape, layer: Optional[int] = None) -> dict[str, tuple[str, ...]]:
+    """Megatron layer parameter -> HF names of layer ``{i}``, for ``shape``'s family: of
+    ``layer`` (dense or with experts), or with ``None`` of any of its layers."""
     absent = set()
     if not shape.qkv_bias:
         absent.add(QKV_BIAS)
     if not shape.qk_norm:
         absent.update(QK_NORMS)
-    absent.update(DENSE_MLP if shape.num_experts else (ROUTER, *EXPERT_PARAMS))
+    kinds = {has_experts(shape, i) for i in (range(shape.num_layers) if layer is None else [layer])}
+    if True not in kinds:
+        absent.update((ROUTER, *EXPERT_PARAMS))
+    if False not in kinds:
+        absent.update(DENSE_MLP)
     return {name: hf for name, hf in _ALL_LAYER_PARAMS.items() if name not in absent}
+
+
+def stacked(shape: ModelShape) -> bool:
+    """Whether megatron stores each layer parameter as one tensor with the layer as its
+    first axis (every layer alike), or each layer's under its own key (``dense_layers``)."""
+    return not shape.dense_layers
+
+
+def stored_key(shape: ModelShape, megatron_key: str, layer: Optional[int]) -> str:
+    """The checkpoint key that holds layer ``layer``'s slice of ``megatron_key``: the key
+    itself when layers are stacked, ``decoder.layers.<layer>.<name>`` when not."""
+    if layer is None or stacked(shape):
+        return megatron_key
+    return f"decoder.layers.{layer}.{megatron_key.removeprefix('decoder.layers.')}"
 
 
 # Megatron's local layer spec names the two norms after their modules; the Transformer
@@ -174,7 +207,14 @@ def megatron_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         EXPERT_FC1: (shape.num_experts, 2 * (shape.moe_ffn_hidden_size or 0), h),
         EXPERT_FC2: (shape.num_experts, h, shape.moe_ffn_hidden_size or 0),
     }
-    shapes = {megatron_layer_key(k): (shape.num_layers, *per_layer[k]) for k in layer_params(shape)}
+    if stacked(shape):
+        shapes = {megatron_layer_key(k): (shape.num_layers, *per_layer[k]) for k in layer_params(shape)}
+    else:
+        shapes = {
+            stored_key(shape, megatron_layer_key(k), i): per_layer[k]
+            for i in range(shape.num_layers)
+            for k in layer_params(shape, i)
+        }
     shapes[EMBEDDING] = (shape.vocab_size, h)
     shapes[FINAL_NORM] = (h,)
     if not shape.tie_word_embeddings:
@@ -208,7 +248,7 @@ def hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     }
     shapes = {}
     for i in range(shape.num_layers):
-        for key in layer_params(shape):
+        for key in layer_params(shape, i):
             for name in _ALL_LAYER_PARAMS[key]:
                 for e in range(shape.num_experts) if key in EXPERT_PARAMS else (None,):
                     shapes[name.format(i=i, e=e)] = sizes[name]
@@ -358,7 +398,7 @@ def megatron_tensor_order(shape: ModelShape) -> list[tuple[str, int | None]]:
     """``(megatron_key, layer)`` pairs in model order: embedding, layers, final norm, output."""
     order: list[tuple[str, int | None]] = [(EMBEDDING, None)]
     for i in range(shape.num_layers):
-        order.extend((megatron_layer_key(name), i) for name in layer_params(shape))
+        order.extend((megatron_layer_key(name), i) for name in layer_params(shape, i))
     order.append((FINAL_NORM, None))
     if not shape.tie_word_embeddings:
         order.append((OUTPUT_LAYER, None))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dapo_megatron.config import ModelConfig, ParallelConfig, padded_vocab_size
+from dapo_megatron.config import ModelConfig, ParallelConfig, moe_layers, padded_vocab_size
 from dapo_megatron.models.families import family_named
 
 
@@ -118,6 +118,7 @@ def _moe_settings(model: ModelConfig, use_te: bool) -> dict:
     if not family_named(model.family).moe:
         return {}
     aux = model.moe_aux_loss_coeff or 0.0
+    pattern = moe_layers(model)
     return {
         "num_moe_experts": model.num_experts,
         "moe_router_topk": model.moe_router_topk,
@@ -132,7 +133,9 @@ def _moe_settings(model: ModelConfig, use_te: bool) -> dict:
         "moe_router_dtype": "fp32",
         "moe_grouped_gemm": use_te,
         "moe_permute_fusion": False,
-        "moe_layer_freq": 1,
+        # Experts in every layer (1), or a 0/1 per layer (HF mlp_only_layers and
+        # decoder_sparse_step): megatron then builds each layer's own spec.
+        "moe_layer_freq": 1 if all(pattern) else [int(sparse) for sparse in pattern],
     }
 
 
@@ -221,6 +224,8 @@ def _with_local_norms(spec):
         if spec.submodules is not None:
             spec.submodules = _with_local_norms(spec.submodules)
         return spec
+    if isinstance(spec, list):
+        return [_with_local_norms(item) for item in spec]
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         return dataclasses.replace(
             spec, **{f.name: _with_local_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
@@ -273,6 +278,7 @@ def build_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -282,7 +288,14 @@ def build_model(
     experts = {"num_experts": config.num_moe_experts, "moe_grouped_gemm": config.moe_grouped_gemm}
     if config.num_moe_experts:
         _without_te_router_gemm()
-    if use_transformer_engine(model, device_type):
+    if isinstance(config.moe_layer_freq, list):
+        # Dense layers among the MoE ones: a spec per layer of this stage.
+        layer_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine(model, device_type), normalization="RMSNorm"
+        )
+        if not use_transformer_engine(model, device_type):
+            layer_spec = _with_local_norms(layer_spec)
+    elif use_transformer_engine(model, device_type):
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **experts)
     else:
         # Sequential experts (one MLP each, no grouped GEMM) on the CPU.

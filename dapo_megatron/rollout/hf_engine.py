@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from dapo_megatron.ckpt.mapping import ModelShape, fused_expert_param, fused_expert_view, hf_shapes
-from dapo_megatron.models.families import DEFAULT_MODEL_TYPE
+from dapo_megatron.models.families import DEFAULT_MODEL_TYPE, family_named
 from dapo_megatron.rollout.engine import (
     Generation,
     RolloutEngine,
@@ -90,7 +90,7 @@ def hf_config_for(model_config):
 
 def _experts_of(model_config) -> dict:
     """The HF config keys of a mixture-of-experts family's experts (none for dense)."""
-    if model_config.num_experts is None:
+    if not family_named(model_config.family or DEFAULT_MODEL_TYPE).moe:
         return {}
     return {
         "num_experts": model_config.num_experts,

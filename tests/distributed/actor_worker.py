@@ -79,7 +79,7 @@ def set_family(cfg, family: str, ep_size: int = 1, **experts) -> None:
         hf = {**TINY_EXPERTS, **experts}
         cfg.model.num_experts, cfg.model.moe_router_topk = hf["num_experts"], hf["num_experts_per_tok"]
         cfg.model.moe_ffn_hidden_size, cfg.model.moe_norm_topk_prob = hf["moe_intermediate_size"], hf["norm_topk_prob"]
-        cfg.model.decoder_sparse_step, cfg.model.mlp_only_layers = 1, []
+        cfg.model.decoder_sparse_step, cfg.model.mlp_only_layers = 1, list(hf.get("mlp_only_layers", []))
         cfg.model.moe_aux_loss_coeff = 0.0
         cfg.parallel.sequence_parallel = cfg.parallel.tp_size > 1  # what an MoE layer under TP needs
 

@@ -60,3 +60,46 @@ def load_sync_train_save(workdir: str, tp_size: int, ep_size: int, dp_size: int,
                 },
                 os.path.join(workdir, f"{tag}.pt"),
             )
+
+
+def sync_both_ways(workdir: str, family: str, tp_size: int, ep_size: int, dp_size: int) -> None:
+    """Load ``hf`` straight from safetensors at a layout and feed two transformers engines
+    from it: one by gathered buckets (``sync_weights``, rank 0 feeds), one by every rank's
+    own pieces (``iter_piece_buckets``, as colocated CPU engines are fed). Writes both
+    engines' weights."""
+    import torch.distributed as dist
+
+    from dapo_megatron.actor.checkpoint import load_hf_model_weights
+    from dapo_megatron.actor.weight_sync import iter_piece_buckets
+
+    cfg = actor_config(tp_size, 1, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24)
+    set_family(cfg, family, ep_size)
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+        load_hf_model_weights(actor, os.path.join(workdir, "hf"))
+        engine = HFRolloutEngine.from_model_config(cfg.model) if info.rank == 0 else None
+        sync_weights(actor, engine, bucket_bytes=64 * 1024)
+        # Pieces: every rank's own, gathered on rank 0 as a colocated engine would get them.
+        mine = [
+            (name, piece.clone(), offset)
+            for b in iter_piece_buckets(actor)
+            for (name, piece), offset in zip(b.tensors, b.offsets)
+        ]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if info.rank == 0:
+            from dapo_megatron.rollout.engine import WeightBucket
+
+            by_pieces = HFRolloutEngine.from_model_config(cfg.model)
+            by_pieces.begin_weight_update()
+            for pieces in everyone:
+                bucket = WeightBucket()
+                for name, piece, offset in pieces:
+                    bucket.tensors.append((name, piece))
+                    bucket.offsets.append(offset)
+                by_pieces.load_weight_bucket(bucket, False)
+            by_pieces.end_weight_update()
+            torch.save(
+                {"buckets": engine.state_dict(), "pieces": by_pieces.state_dict()},
+                os.path.join(workdir, f"sync_{family}.pt"),
+            )

@@ -130,16 +130,18 @@ def dapo_step_with_gradients(
     kl_type: str | None = None,
     family: str = "qwen2",
     ep_size: int = 1,
+    mlp_only_layers: tuple[int, ...] = (),
 ) -> None:
     """``row_dependent_gemms``: run the whole step under :class:`RowCountDependentGemms`
     (only the first update's ratio is then checked). ``kl_type``: with the KL penalty of
     that estimator (coefficient ``KL_COEF``) to the reference policy in ``hf_ref_tied*``.
-    ``ep_size``: experts over that many expert-parallel ranks (a family with experts)."""
+    ``ep_size``: experts over that many expert-parallel ranks (a family with experts);
+    ``mlp_only_layers``: its layers that keep a dense MLP."""
     if row_dependent_gemms:
         with RowCountDependentGemms():
             return dapo_step_with_gradients(workdir, tp_size, pp_size, dp_size, weighted, family=family)
     cfg = actor_config(tp_size, pp_size, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
-    set_family(cfg, family, ep_size)
+    set_family(cfg, family, ep_size, **({"mlp_only_layers": list(mlp_only_layers)} if mlp_only_layers else {}))
     cfg.parallel.use_distributed_optimizer = True
     if kl_type is not None:
         cfg.algorithm.use_kl_loss, cfg.algorithm.kl_loss_coef, cfg.algorithm.kl_loss_type = True, KL_COEF, kl_type

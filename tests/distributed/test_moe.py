@@ -94,3 +94,25 @@ def test_routing_metrics_of_each_update(moe_run):
                 <= update["moe_tokens_per_expert_max_over_mean_worst_layer"]
                 <= 4.0
             )
+
+
+@pytest.mark.parametrize(
+    ("family", "tp_size", "ep_size", "dp_size"), [("qwen3", 2, 1, 1), ("qwen3_moe", 1, 2, 2), ("qwen3_moe", 2, 2, 2)]
+)
+def test_both_families_sync_into_the_engine_bitwise_by_buckets_and_by_pieces(
+    tmp_path, family, tp_size, ep_size, dp_size
+):
+    """Loaded straight from HF safetensors and sent back, the weights arrive unchanged:
+    Qwen3's q/k norms (whole, from tensor-parallel rank 0) at tp 2, and Qwen3-MoE's experts
+    at ep 2 x dp 2 (half of each layer's experts sit in the other replica) and at
+    tp 2 x ep 2 x dp 2 (the expert-parallel group is the tensor-parallel one)."""
+    model = tiny_hf_model(family, False, seed=SEEDS[family], attn_implementation="eager")
+    _randomize_biases(model)
+    model.save_pretrained(tmp_path / "hf")
+    launch_local(moe_worker.sync_both_ways, tp_size * dp_size, (str(tmp_path), family, tp_size, ep_size, dp_size))
+    got = torch.load(tmp_path / f"sync_{family}.pt")
+    original = _hf_tensors(tmp_path / "hf")
+    for way in ("buckets", "pieces"):
+        assert sorted(got[way]) == sorted(original), way
+        for name, tensor in original.items():
+            assert torch.equal(got[way][name], tensor), (way, name)

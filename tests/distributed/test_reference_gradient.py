@@ -126,17 +126,18 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("family", "tp_size", "pp_size", "dp_size", "weighted", "kl_type", "ep_size"),
+    ("family", "tp_size", "pp_size", "dp_size", "weighted", "kl_type", "ep_size", "mlp_only_layers"),
     [
-        ("qwen2", 2, 2, 1, False, None, 1),
-        ("qwen2", 1, 2, 2, False, None, 1),
-        ("qwen2", 2, 1, 2, True, None, 1),
-        ("qwen2", 1, 2, 2, False, "k3", 1),
-        ("qwen2", 2, 1, 2, False, "k1", 1),
-        ("qwen3", 2, 1, 1, False, None, 1),
-        ("qwen3", 1, 2, 1, False, None, 1),
-        ("qwen3_moe", 1, 1, 2, False, None, 2),
-        ("qwen3_moe", 2, 1, 2, False, None, 2),
+        ("qwen2", 2, 2, 1, False, None, 1, ()),
+        ("qwen2", 1, 2, 2, False, None, 1, ()),
+        ("qwen2", 2, 1, 2, True, None, 1, ()),
+        ("qwen2", 1, 2, 2, False, "k3", 1, ()),
+        ("qwen2", 2, 1, 2, False, "k1", 1, ()),
+        ("qwen3", 2, 1, 1, False, None, 1, ()),
+        ("qwen3", 1, 2, 1, False, None, 1, ()),
+        ("qwen3_moe", 1, 1, 2, False, None, 2, ()),
+        ("qwen3_moe", 2, 1, 2, False, None, 2, ()),
+        ("qwen3_moe", 1, 2, 2, False, None, 2, (1,)),
     ],
     ids=[
         "tp2-pp2",
@@ -148,10 +149,11 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
         "qwen3-pp2",
         "qwen3moe-ep2-dp2",
         "qwen3moe-tp2-ep2-dp2",
+        "qwen3moe-dense-layer-pp2-ep2-dp2",
     ],
 )
 def test_dapo_gradients_equal_an_independent_float64_reference(
-    tmp_path, family, tp_size, pp_size, dp_size, weighted, kl_type, ep_size
+    tmp_path, family, tp_size, pp_size, dp_size, weighted, kl_type, ep_size, mlp_only_layers
 ):
     """With ``weighted``, the batch carries rollout-correction weights (TIS values, some
     capped, and MIS zeros) that the reference multiplies into its token losses. With
@@ -161,10 +163,13 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
     hidden / heads. Qwen3-MoE: transformers' ``Qwen3MoeForCausalLM`` (routing, top-k
     renormalisation, experts) with the experts split over ``ep_size`` ranks, tokens
     exchanged by megatron's all-to-all on gloo; the experts' gradients are reduced over
-    the expert-data-parallel group, not the data-parallel one."""
+    the expert-data-parallel group, not the data-parallel one; with ``mlp_only_layers``,
+    dense layers among the MoE ones (megatron's per-layer specs and checkpoint keys), here
+    over two pipeline stages."""
     for tied in (False, True):
         # (Seeds for which no off-policy ratio sits within 1e-4 of a clip boundary.)
-        model = tiny_hf_model(family, tied, seed=SEEDS[family] + tied, attn_implementation="eager")
+        dense = {"mlp_only_layers": list(mlp_only_layers)} if mlp_only_layers else {}
+        model = tiny_hf_model(family, tied, seed=SEEDS[family] + tied, attn_implementation="eager", **dense)
         _randomize_biases(model)
         model.save_pretrained(tmp_path / f"hf_tied{int(tied)}")
         if kl_type is not None:
@@ -174,7 +179,7 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
     launch_local(
         reference_worker.dapo_step_with_gradients,
         tp_size * pp_size * dp_size,
-        (str(tmp_path), tp_size, pp_size, dp_size, weighted, False, kl_type, family, ep_size),
+        (str(tmp_path), tp_size, pp_size, dp_size, weighted, False, kl_type, family, ep_size, mlp_only_layers),
     )
     for tied in (False, True):
         stages = [torch.load(tmp_path / f"ref_tied{int(tied)}_stage{s}.pt") for s in range(pp_size)]

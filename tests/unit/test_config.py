@@ -241,7 +241,8 @@ def test_expert_parallel_size_is_checked_with_the_nearest_valid_values(tmp_path)
     assert message.endswith("nearest valid parallel.ep_size: 8")
     assert "needs parallel.sequence_parallel=true" in error_of(run, ["parallel.sequence_parallel=false"])
     assert "needs a mixture-of-experts model" in error_of(TINY, ["parallel.ep_size=2"])
-    assert "only models with experts in every layer" in error_of(_moe_run(tmp_path, mlp_only_layers=[0]))
+    assert load_config(_moe_run(tmp_path, mlp_only_layers=[0], decoder_sparse_step=2)).model.mlp_only_layers == [0]
+    assert "names layers [48] outside 0..47" in error_of(_moe_run(tmp_path, mlp_only_layers=[48]))
     assert "exceeds model.num_experts=128" in error_of(_moe_run(tmp_path, num_experts_per_tok=200))
 
 

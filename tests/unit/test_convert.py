@@ -129,7 +129,9 @@ def test_a_swapped_qwen3_qk_norm_fails_verification(tmp_path, monkeypatch):
     assert not (tmp_path / "mg").exists()
 
 
-def make_hf_qwen3_moe(path: Path, *, tied: bool, norm_topk_prob: bool = True, seed: int = 0) -> Path:
+def make_hf_qwen3_moe(
+    path: Path, *, tied: bool, norm_topk_prob: bool = True, seed: int = 0, mlp_only_layers=(), layers: int = 2
+) -> Path:
     """A tiny random Qwen3MoeForCausalLM (2 layers of 4 experts, top 2), with router
     weights large enough that the routing is far from ties."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -143,7 +145,8 @@ def make_hf_qwen3_moe(path: Path, *, tied: bool, norm_topk_prob: bool = True, se
         num_experts=4,
         num_experts_per_tok=2,
         norm_topk_prob=norm_topk_prob,
-        num_hidden_layers=2,
+        mlp_only_layers=list(mlp_only_layers),
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=16,
@@ -153,7 +156,8 @@ def make_hf_qwen3_moe(path: Path, *, tied: bool, norm_topk_prob: bool = True, se
     model = Qwen3MoeForCausalLM(config)
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0, 1.0)
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 1.0)
             layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return path
@@ -184,6 +188,23 @@ def test_qwen3_moe_round_trip_is_bitwise_and_verified(tmp_path, tied, norm_topk_
     megatron_to_hf(tmp_path / "mg", hf, tmp_path / "back", verify=True, progress=False)
     converted = hf_tensors(tmp_path / "back")
     assert sorted(tensors) == sorted(converted)
+    assert all(torch.equal(converted[name], tensor) for name, tensor in tensors.items())
+
+
+def test_qwen3_moe_with_a_dense_layer_round_trips_under_per_layer_keys(tmp_path):
+    """``mlp_only_layers``: megatron stores such a model's layers under keys of their own
+    (``decoder.layers.<i>.<name>``); layer 1 keeps a dense MLP, layers 0 and 2 have experts."""
+    hf = make_hf_qwen3_moe(tmp_path / "hf", tied=False, mlp_only_layers=[1], layers=3)
+    report = hf_to_megatron(hf, tmp_path / "mg", verify=True, progress=False)
+    assert report.verified and report.max_logit_error < 1e-5
+    stored = tensor_shapes(tmp_path / "mg")
+    assert stored["decoder.layers.1.mlp.linear_fc1.weight"] == ((2 * 96, 64), torch.float32)
+    assert stored["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"] == ((4, 48, 64), torch.float32)
+    assert "decoder.layers.1.mlp.router.weight" not in stored and "decoder.layers.2.mlp.router.weight" in stored
+    assert not any(key.startswith("decoder.layers.self_attention") for key in stored)
+    megatron_to_hf(tmp_path / "mg", hf, tmp_path / "back", verify=True, progress=False)
+    tensors, converted = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert "model.layers.1.mlp.gate_proj.weight" in tensors and sorted(tensors) == sorted(converted)
     assert all(torch.equal(converted[name], tensor) for name, tensor in tensors.items())
 
 

@@ -43,7 +43,7 @@ def test_the_dense_qwen3_recipe_fits_with_the_published_size(capsys):
     assert capsys.readouterr().out.rstrip().endswith("fits")
 
 
-def test_parameter_counts_equal_transformers_for_the_moe_family():
+def test_parameter_counts_equal_transformers_for_the_moe_family(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     demo = ROOT / "examples" / "demo"
@@ -54,6 +54,15 @@ def test_parameter_counts_equal_transformers_for_the_moe_family():
     assert count_parameters(cfg) == sum(p.numel() for p in hf.parameters()) == 1_331_776
     experts = sum(p.numel() for n, p in hf.named_parameters() if ".mlp.experts." in n)
     assert active_parameters(cfg) == count_parameters(cfg) - experts // 2  # top 2 of 4
+    # A dense layer among them (mlp_only_layers): its SwiGLU instead of experts and router.
+    mixed = {**json.loads((demo / "model_config_moe.json").read_text()), "mlp_only_layers": [1]}
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**mixed))
+    (tmp_path / "config.json").write_text(json.dumps(mixed))
+    cfg = load_config(demo / "demo_moe.yaml", [f"model.hf_config={tmp_path / 'config.json'}"])
+    assert cfg.model.mlp_only_layers == [1]
+    assert count_parameters(cfg) == sum(p.numel() for p in hf.parameters())
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".mlp.experts." in n)
+    assert active_parameters(cfg) == count_parameters(cfg) - experts // 2
 
 
 def test_the_shared_scripts_run_a_qwen3_recipe():
