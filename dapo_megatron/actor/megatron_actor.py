@@ -167,7 +167,7 @@ class MegatronActor:
             from dapo_megatron.actor.routing import RoutingMonitor
 
             self.routing = RoutingMonitor(
-                self.gpt, model.moe_aux_loss_coeff or 0.0, runtime.tp_rank, parallel.tp_size, parallel.sequence_parallel
+                self.gpt, model, self.device, runtime.tp_rank, parallel.tp_size, parallel.sequence_parallel
             )
 
     # ------------------------------------------------------------------ internals
@@ -342,7 +342,7 @@ class MegatronActor:
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
             if routing is not None:
-                routing.micro_batch(next(index), mb.tokens, mb.loss_mask)
+                routing.micro_batch(next(index), mb.tokens, mb.loss_mask, filler=mb.rows.numel() == 0)
             hidden = model(mb.tokens, mb.position_ids, None)
 
             def loss_func(output):
@@ -437,7 +437,8 @@ class MegatronActor:
     def _loss_and_gradients_finite(self, outputs: list[dict]) -> bool:
         """Whether every rank's losses and reduced gradients are finite (agreed by all ranks)."""
         local = all(bool(torch.isfinite(out["loss"]).all()) for out in outputs if "loss" in out)
-        for buffer in self.ddp.buffers:
+        # Experts' gradients live in buffers of their own (reduced over the expert-data-parallel group).
+        for buffer in [*self.ddp.buffers, *(getattr(self.ddp, "expert_parallel_buffers", None) or [])]:
             local = local and bool(torch.isfinite(buffer.grad_data).all())
         flag = torch.tensor([1.0 if local else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -467,13 +468,13 @@ class MegatronActor:
         routing = self.routing
         if routing is not None:
             routing.begin("compare")
-            routing.scale_for_update(len(micro), self.dp_group)
+            routing.scale_for_update(sum(mb.rows.numel() > 0 for mb in micro), self.dp_group)
         index = iter(range(first, first + len(micro)))
 
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
             if routing is not None:
-                routing.micro_batch(next(index), mb.tokens, mb.loss_mask)
+                routing.micro_batch(next(index), mb.tokens, mb.loss_mask, filler=mb.rows.numel() == 0)
             hidden = model(mb.tokens, mb.position_ids, None)
 
             def loss_func(output):
@@ -561,5 +562,5 @@ class MegatronActor:
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "tokens": values["num_tokens"],
             "num_micro_batches": float(len(micro)),
-            **(routing.metrics(self.device) if routing is not None else {}),
+            **(routing.metrics() if routing is not None else {}),
         }

@@ -1,22 +1,27 @@
-"""What the routers of a mixture-of-experts actor did, and the scale of their loss.
+"""What the routers of a mixture-of-experts actor did, and the weight of their losses.
 
 Two things megatron's MoE layer leaves to the trainer:
 
-- **The load-balancing loss's weight.** With ``calculate_per_token_loss`` megatron scales
-  each micro-batch's auxiliary loss by its token count, expecting ``finalize_model_grads``
-  to divide everything by the global token count. This actor divides its policy loss
-  itself (and gives ``finalize_model_grads`` no count), so that scaling would weigh the
+- **The router losses' weight.** With ``calculate_per_token_loss`` megatron scales each
+  micro-batch's auxiliary loss by its token count, expecting ``finalize_model_grads`` to
+  divide everything by the global token count. This actor divides its policy loss itself
+  (and gives ``finalize_model_grads`` no count), so that scaling would weigh the
   auxiliary loss by the number of tokens. Instead each router's per-token scaling is
-  turned off and, for each update, the coefficient megatron applies is the configured
-  one divided by the update's micro-batches over all data-parallel ranks: the update
-  minimises the policy loss plus ``moe_aux_loss_coeff`` times the mean over micro-batches
-  of megatron's per-micro-batch load-balancing loss (as without per-token loss).
+  turned off and, for each micro-batch, the coefficients megatron applies (load
+  balancing and z-loss) are the configured ones divided by the update's micro-batches
+  over all data-parallel ranks: the update minimises the policy loss plus each
+  coefficient times the mean over micro-batches of megatron's per-micro-batch loss (as
+  without per-token loss). Filler micro-batches (the padding that keeps replicas in step
+  under expert parallelism) get a negligible coefficient and are left out of the mean and
+  of the metrics.
 - **Metrics.** Forward hooks on the routers count the tokens each expert receives (the
-  max over the mean, per layer) and keep which experts each response token went to in
-  the old-log-prob pass, so that each update can report the share of response tokens
-  whose top-k experts changed since (routing instability: 0 on-policy, then the drift of
-  the updates before it). Comparisons are made only between the very same micro-batches
-  (same tokens), which the actor's passes guarantee.
+  max over the mean, per layer) and keep a fingerprint of which experts each of the
+  first :data:`SAMPLED_TOKENS` response tokens of a micro-batch went to in the
+  old-log-prob pass, so that each update can report the share of those tokens whose
+  top-k experts changed since (routing instability: 0 on-policy, then the drift of the
+  updates before it). Everything stays on the device until the pass ends (no
+  synchronisation per layer), and comparisons are made only between the very same
+  micro-batches, which the actor's passes guarantee.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+SAMPLED_TOKENS = 256
+"""Response tokens per micro-batch whose routing is compared between the passes."""
+FILLER_COEFFICIENT = 1e-30
+"""The router losses' coefficient in a filler micro-batch: no gradient to speak of, and a
+non-zero value megatron's loss tracker can divide by."""
+
 
 def routers_of(gpt) -> list:
     """This stage's routers, in layer order."""
@@ -34,83 +45,138 @@ def routers_of(gpt) -> list:
     return [module for module in gpt.modules() if isinstance(module, TopKRouter)]
 
 
-class RoutingMonitor:
-    """Router hooks and the load-balancing loss's scale for one actor's model."""
+def _tracker() -> dict:
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    def __init__(self, gpt, coefficient: float, tp_rank: int, tp_size: int, sequence_parallel: bool) -> None:
+    return get_moe_layer_wise_logging_tracker()
+
+
+class RoutingMonitor:
+    """Router hooks and the router losses' scale for one actor's model."""
+
+    def __init__(self, gpt, model_config, device, tp_rank: int, tp_size: int, sequence_parallel: bool) -> None:
         self.routers = routers_of(gpt)
         self.config = gpt.config
-        self.coefficient = coefficient
-        self.num_layers = gpt.config.num_layers
+        self.coefficients = {
+            "moe_aux_loss_coeff": model_config.moe_aux_loss_coeff or 0.0,
+            "moe_z_loss_coeff": model_config.moe_z_loss_coeff or 0.0,
+        }
+        self.scaled = dict(self.coefficients)
+        self.device = device
         self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
         self.mode: Optional[str] = None  # "record" (old log-probs), "compare" (an update), or None
-        self.current: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None  # index, tokens, valid
+        self.current: Optional[tuple[int, torch.Tensor, torch.Tensor, bool]] = None
         self.recorded: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._seen: set[tuple[int, int]] = set()
-        self.counts = torch.zeros(self.num_layers, gpt.config.num_moe_experts, dtype=torch.float64)
-        self.changed = torch.zeros(2, dtype=torch.float64)  # changed, compared
+        self._tracked_before: dict[int, dict[str, torch.Tensor]] = {}
+        num_layers = gpt.config.num_layers
+        self.counts = torch.zeros(num_layers, gpt.config.num_moe_experts, dtype=torch.float64, device=device)
+        self.changed = torch.zeros(2, dtype=torch.float64, device=device)  # changed, compared
+        self.real_calls = 0
+        # A random 63-bit key per expert: a token's expert set is the sum of its experts' keys.
+        generator = torch.Generator().manual_seed(0)
+        self.keys = torch.randint(0, 2**62, (gpt.config.num_moe_experts,), generator=generator).to(device)
         for router in self.routers:
             router.calculate_per_token_loss = False
+            router.register_forward_pre_hook(self._pre_hook)
             router.register_forward_hook(self._hook)
 
     def begin(self, mode: Optional[str]) -> None:
         """Start a pass: ``record`` the routing of the old-log-prob pass, or ``compare`` an
         update's with it."""
-        self.mode, self._seen = mode, set()
+        self.mode, self._seen, self.real_calls = mode, set(), 0
         if mode == "record":
             self.recorded = {}
         self.counts.zero_()
         self.changed.zero_()
 
-    def micro_batch(self, index: int, tokens: torch.Tensor, loss_mask: torch.Tensor) -> None:
+    def micro_batch(self, index: int, tokens: torch.Tensor, loss_mask: torch.Tensor, filler: bool = False) -> None:
         """The micro-batch about to run (``index``: its place in the step's order): its
-        tokens, and which of its tokens are response tokens, in the router's token order
-        (sequence-major, this rank's part of the sequence under sequence parallelism)."""
+        tokens, which of its tokens are response tokens in the router's token order
+        (sequence-major, this rank's part of the sequence under sequence parallelism), and
+        whether it is a filler; sets the router losses' coefficients for it."""
         valid = loss_mask.t()
         if self.sequence_parallel and self.tp_size > 1:
             chunk = valid.shape[0] // self.tp_size
             valid = valid[self.tp_rank * chunk : (self.tp_rank + 1) * chunk]
-        self.current = (index, tokens, valid.reshape(-1).bool())
+        self.current = (index, tokens, valid.reshape(-1).bool(), filler)
+        for name, value in self.scaled.items():
+            setattr(self.config, name, FILLER_COEFFICIENT if filler and value else value)
+
+    def _pre_hook(self, router, inputs) -> None:
+        # A filler's losses are kept out of megatron's tracker: remember the layer's values.
+        if self.current is not None and self.current[3]:
+            self._tracked_before[router.layer_number] = {
+                name: entry["values"].clone() for name, entry in _tracker().items() if "values" in entry
+            }
 
     def _hook(self, router, inputs, outputs) -> None:
-        if self.mode is None or self.current is None:
+        if self.current is None:
             return
-        index, tokens, valid = self.current
+        index, tokens, valid, filler = self.current
+        if filler:
+            for name, values in self._tracked_before.pop(router.layer_number, {}).items():
+                _tracker()[name]["values"].copy_(values)
+            return
+        if self.mode is None:
+            return
         layer = router.layer_number - 1
         if (index, layer) in self._seen:  # activation recompute runs the forward again
             return
         self._seen.add((index, layer))
-        routing_map = outputs[1].detach().cpu()
-        valid = valid.cpu()
-        self.counts[layer] += routing_map[valid].sum(0).to(torch.float64)
+        self.real_calls += 1
+        routing_map = outputs[1].detach()
+        routed = routing_map[valid.to(routing_map.device)]
+        self.counts[layer] += routed.sum(0).to(torch.float64)
+        sampled = routed[:SAMPLED_TOKENS]
+        fingerprint = (sampled.to(torch.int64) * self.keys).sum(-1)
+        token_check = torch.stack(
+            [
+                (
+                    tokens.to(torch.int64)
+                    * (1 + torch.arange(tokens.numel(), device=tokens.device).reshape(tokens.shape))
+                ).sum()
+            ]
+        )
         if self.mode == "record":
-            self.recorded[(index, layer)] = (tokens.detach().cpu(), routing_map[valid])
+            self.recorded[(index, layer)] = (
+                torch.cat([torch.tensor(tokens.shape, device=tokens.device), token_check]),
+                fingerprint,
+            )
         elif self.mode == "compare":
             before = self.recorded.get((index, layer))
-            if before is not None and torch.equal(before[0], tokens.detach().cpu()):
-                now = routing_map[valid]
-                self.changed += torch.tensor([float((now != before[1]).any(-1).sum()), float(now.shape[0])])
+            now_check = torch.cat([torch.tensor(tokens.shape, device=tokens.device), token_check])
+            if before is not None and before[0].shape == now_check.shape and before[1].shape == fingerprint.shape:
+                same_tokens = (before[0] == now_check).all().to(torch.float64)
+                differs = (before[1] != fingerprint).sum().to(torch.float64)
+                self.changed += same_tokens * torch.stack(
+                    [differs, torch.tensor(float(fingerprint.numel()), device=self.device, dtype=torch.float64)]
+                )
 
-    def scale_for_update(self, num_micro_batches: int, group) -> None:
-        """Set the coefficient megatron applies during the coming update: the configured one
-        over the update's micro-batches summed over ``group`` (data-parallel ranks)."""
-        total = torch.tensor([float(num_micro_batches)], dtype=torch.float64)
+    def scale_for_update(self, num_real_micro_batches: int, group) -> None:
+        """Set the coefficients megatron applies during the coming update: the configured
+        ones over the update's real micro-batches summed over ``group`` (data-parallel ranks)."""
+        total = torch.tensor([float(num_real_micro_batches)], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=group)
-        self.config.moe_aux_loss_coeff = self.coefficient / max(float(total), 1.0)
+        self.scaled = {name: value / max(float(total), 1.0) for name, value in self.coefficients.items()}
 
-    def metrics(self, device) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """The pass's routing metrics over every rank (a collective over all of them)."""
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
-        tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-        # Sum over micro-batches of each layer's loss (megatron's tracker), per layer.
-        balance = torch.zeros(2, dtype=torch.float64)
-        if tracker is not None and self.routers:
-            values = tracker["values"].detach().cpu().to(torch.float64)
-            calls = max(len(self._seen), 1) / len(self.routers)
-            balance += torch.tensor([float(values.sum()) / calls, float(len(self.routers))])
+        tracker = _tracker().get("load_balancing_loss")
+        # Sum over micro-batches of each layer's loss (megatron's tracker). Under sequence
+        # parallelism each tensor-parallel rank's value is its part of the sequence's.
+        balance = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if tracker is not None and self.routers and self.real_calls:
+            calls = self.real_calls / len(self.routers)
+            share = self.tp_size if self.sequence_parallel else 1
+            values = tracker["values"].detach().to(device=self.device, dtype=torch.float64)
+            balance += torch.stack(
+                [values.sum() / calls, torch.tensor(len(self.routers) / share, device=self.device, dtype=torch.float64)]
+            )
         clear_aux_losses_tracker()
-        totals = torch.cat([self.counts.reshape(-1), self.changed, balance]).to(device)
+        totals = torch.cat([self.counts.reshape(-1), self.changed, balance])
         dist.all_reduce(totals)
         totals = totals.cpu()
         counts = totals[: self.counts.numel()].reshape(self.counts.shape)

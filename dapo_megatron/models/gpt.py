@@ -233,6 +233,28 @@ def _with_local_norms(spec):
     return spec
 
 
+MOE_NORM_KEY = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+"""The checkpoint name of an MoE layer's pre-MLP norm under every spec: megatron's local
+spec maps it so; its Transformer Engine spec (whose MoE layers keep a separate TENorm)
+does not, so a checkpoint written under one would not load under the other."""
+
+
+def with_moe_norm_keys(spec):
+    """``spec`` (a layer spec, or a block spec's layer specs) with :data:`MOE_NORM_KEY` in
+    the sharded-state-dict key map of every layer whose MLP is an MoE layer."""
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=[with_moe_norm_keys(layer) for layer in spec.layer_specs])
+    submodules = spec.submodules
+    if getattr(getattr(submodules, "mlp", None), "module", None) is not MoELayer:
+        return spec
+    keys = {**(submodules.sharded_state_dict_keys_map or {}), **MOE_NORM_KEY}
+    return dataclasses.replace(spec, submodules=dataclasses.replace(submodules, sharded_state_dict_keys_map=keys))
+
+
 def _without_te_router_gemm() -> None:
     """megatron-core 0.16.1's router linear tests ``te_general_gemm is not None``, a name
     ``moe_utils`` defines only when Transformer Engine imports: without TE (the CPU, or a
@@ -301,6 +323,8 @@ def build_model(
         # Sequential experts (one MLP each, no grouped GEMM) on the CPU.
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm", **experts)
         layer_spec = _with_local_norms(layer_spec)
+    if config.num_moe_experts:
+        layer_spec = with_moe_norm_keys(layer_spec)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

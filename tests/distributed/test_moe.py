@@ -35,6 +35,8 @@ def moe_run(tmp_path_factory):
     launch_local(moe_worker.load_sync_train_save, 2, (str(workdir), 1, 2, 2, "mg", "ep2"))
     launch_local(moe_worker.load_sync_train_save, 1, (str(workdir), 1, 1, 1, "ckpt_ep2", "ep1"))
     launch_local(moe_worker.load_sync_train_save, 2, (str(workdir), 1, 2, 2, "ckpt_ep1", "back_at_ep2"))
+    # The converted weights again, at tp 2 x ep 2 x dp 2 (sequence parallel).
+    launch_local(moe_worker.load_sync_train_save, 4, (str(workdir), 2, 2, 2, "mg", "tp2"))
     return workdir
 
 
@@ -116,3 +118,22 @@ def test_both_families_sync_into_the_engine_bitwise_by_buckets_and_by_pieces(
         assert sorted(got[way]) == sorted(original), way
         for name, tensor in original.items():
             assert torch.equal(got[way][name], tensor), (way, name)
+
+
+def test_routing_metrics_do_not_depend_on_the_layout(moe_run):
+    """The same weights and batch at ep 2 x dp 2 and at tp 2 x ep 2 x dp 2 (each
+    tensor-parallel rank routing its part of the sequence): the first update's metrics
+    agree, the load-balancing loss being summed over those parts, not averaged (a mean
+    would halve it). That loss agrees to a few percent only: megatron routes and counts
+    every token of a micro-batch, padding included, and under sequence parallelism rows
+    are padded to a multiple of tp (the token counts, over response tokens only, agree
+    exactly)."""
+    ep2, tp2 = (torch.load(moe_run / f"{tag}.pt", weights_only=False)["metrics"][0] for tag in ("ep2", "tp2"))
+    assert tp2["moe_routing_changed"] == 0.0
+    for name in ("moe_tokens_per_expert_max_over_mean", "moe_tokens_per_expert_max_over_mean_worst_layer"):
+        assert tp2[name] == ep2[name], name
+    assert abs(tp2["moe_load_balancing_loss"] - ep2["moe_load_balancing_loss"]) <= 0.05 * ep2["moe_load_balancing_loss"]
+    assert (
+        abs(tp2["loss"] - ep2["loss"]) <= 1e-6
+        and abs(tp2["grad_norm"] - ep2["grad_norm"]) <= 1e-3 * ep2["grad_norm"]  # the aux loss share (padding)
+    )
