@@ -157,6 +157,16 @@ def _region(full: tuple[int, ...], layer: Optional[int]) -> tuple[tuple[int, ...
     return (layer,) + (0,) * (len(full) - 1), (1, *full[1:])
 
 
+def _stored_chunk(shape: ModelShape, key: str, layer: Optional[int], shapes: dict) -> tuple:
+    """``(stored key, offsets, sizes, layer axis)`` of layer ``layer``'s slice of Megatron
+    tensor ``key`` in a checkpoint whose tensors have ``shapes`` (key -> global shape):
+    one layer of a stacked tensor, or the whole of a per-layer (or unstacked) one."""
+    stored = stored_key(shape, key, layer)
+    layer_axis = layer is not None and stacked(shape)
+    offsets, sizes = _region(tuple(shapes[stored]), layer if layer_axis else None)
+    return stored, offsets, sizes, layer_axis
+
+
 def _should_verify(verify: bool | str, num_bytes: int) -> bool:
     if verify == "auto":
         return num_bytes <= VERIFY_AUTO_MAX_BYTES
@@ -208,15 +218,13 @@ def hf_to_megatron(
     for key, layer in megatron_tensor_order(shape):
         names = hf_names_of(key, layer, shape)
         out_dtype = dtype or _torch_dtype(hf.dtypes[names[0]])
-        stored, layer_axis = stored_key(shape, key, layer), layer is not None and stacked(shape)
-        full = global_shapes[stored]
-        offsets, sizes = _region(full, layer if layer_axis else None)
+        stored, offsets, sizes, layer_axis = _stored_chunk(shape, key, layer, global_shapes)
 
         def produce(key=key, names=names, layer_axis=layer_axis, out_dtype=out_dtype) -> torch.Tensor:
             tensor = to_megatron(key, [hf.read(n) for n in names], shape).to(out_dtype)
             return tensor.unsqueeze(0) if layer_axis else tensor
 
-        chunks.append(dcp_io.ChunkSpec(stored, tuple(full), offsets, tuple(sizes), out_dtype, produce))
+        chunks.append(dcp_io.ChunkSpec(stored, tuple(global_shapes[stored]), offsets, tuple(sizes), out_dtype, produce))
     total = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
     report = ConversionReport(out=out, num_tensors=len(chunks), num_bytes=total, verified=False)
     with _staged_output(out, overwrite) as staging:
@@ -332,6 +340,7 @@ def megatron_to_hf(
         raise ConversionError(f"{ckpt} is not a Megatron dist checkpoint (no metadata.json/.metadata, no 'latest')")
     stored = dcp_io.tensor_shapes(checkpoint)
     _check_megatron(checkpoint, stored, shape, config_path)
+    stored_shapes = {key: full for key, (full, _) in stored.items()}
 
     # Plan every HF tensor (name, shape, dtype) per Megatron tensor, then pack whole groups
     # into shard files, so headers can be written before any data is read.
@@ -363,10 +372,8 @@ def megatron_to_hf(
             for file_name, shard in zip(file_names, shards):
                 stream = _SafetensorsStream(staging / file_name, [entry for _, entries in shard for entry in entries])
                 for (key, layer), entries in shard:
-                    full, stored_dtype = stored[stored_key(shape, key, layer)]
-                    layer_axis = layer is not None and stacked(shape)
-                    offsets, sizes = _region(full, layer if layer_axis else None)
-                    tensor = dcp_io.read_chunk(checkpoint, stored_key(shape, key, layer), offsets, sizes, stored_dtype)
+                    stored_name, offsets, sizes, layer_axis = _stored_chunk(shape, key, layer, stored_shapes)
+                    tensor = dcp_io.read_chunk(checkpoint, stored_name, offsets, sizes, stored[stored_name][1])
                     converted = to_hf(key, tensor[0] if layer_axis else tensor, shape, layer)
                     for name, _, out_dtype in entries:
                         value = converted[name].to(out_dtype)
