@@ -126,6 +126,31 @@ class RolloutConfig:
     """SGLang's deterministic inference (``enable_deterministic_inference``): the per-row
     seeds are honoured and a rerun on the same GPUs and SGLang release samples the same
     responses; slower kernels. Off: SGLang ignores the seeds."""
+    streaming: bool = False
+    """Streaming dynamic sampling: engines hand back each group (a prompt's ``n``
+    responses) as soon as its last response ends; groups are scored and filtered as they
+    arrive, prompts are fed only while the kept groups are short of
+    ``data.train_batch_size``, and what is still generating when the batch is full is
+    aborted. Off: generation in rounds of ``data.gen_batch_size`` prompts, each ending
+    with its longest response (docs/performance.md: streamed generation)."""
+    max_prompts_in_flight: int = 0
+    """Streaming: prompts generating at once over all engines (shared evenly); 0 =
+    ``data.gen_batch_size`` (or ``data.train_batch_size``). Enough keeps every engine
+    busy; more makes the abort throw away (or carry) more."""
+    stream_chunk_tokens: int = 64
+    """Streaming, transformers engine: tokens generated per row between two checks
+    (completed groups handed back, new prompts taken, abort). SGLang streams per token."""
+    carry_over: bool = False
+    """Streaming: kept groups beyond the batch start the next step's batch instead of
+    being dropped (at most ``max_staleness`` policy versions old, corrected by
+    ``algorithm.rollout_correction``); part of a checkpoint's state."""
+    partial_rollout: bool = False
+    """Streaming: a response still generating at the abort keeps its tokens and their
+    sampling log-probs and continues in the next step under the new weights; every token
+    records the policy version that sampled it. Part of a checkpoint's state."""
+    max_staleness: int = 1
+    """Carried groups and partial responses: the most policy versions a trained token may
+    lag the actor (a group whose oldest token is older is dropped, and counted)."""
     val_n_samples: int = 32
     """Responses per validation prompt (avg@32 for AIME)."""
     val_temperature: float = 1.0
@@ -183,7 +208,8 @@ class AlgorithmConfig:
     """Correction of the training-inference mismatch, with ``r = exp(old - rollout)`` (the
     actor's old log-prob minus the engine's sampling log-prob): ``tis`` weighs each token's
     loss by ``min(r, C)``; ``mis`` keeps only tokens with ``r`` in ``[1/C, C]``; ``none``;
-    ``auto``: ``tis`` with ``trainer.async_generation`` (unless ``use_rollout_log_probs``),
+    ``auto``: ``tis`` with ``trainer.async_generation``, ``rollout.carry_over`` or
+    ``rollout.partial_rollout`` (unless ``use_rollout_log_probs``),
     else ``none``."""
     rollout_correction_level: Literal["token", "sequence"] = "token"
     """``token``: each token's own ratio; ``sequence``: the product over the response,
@@ -582,6 +608,7 @@ def _validate_ranges(config: Config, fail) -> None:
     positive(
         r,
         "rollout",
+        "stream_chunk_tokens",
         "n_samples_per_prompt",
         "max_prompt_length",
         "max_response_length",
@@ -813,6 +840,7 @@ def _validate_algorithm(config: Config, fail) -> None:
             "trainer.async_generation=true generates while the actor trains, which needs engines on GPUs of their "
             "own: set rollout.colocate=false (on the CPU runtime, engines get cores of their own)",
         )
+    _validate_streaming(config, fail)
     if not a.rollout_correction_cap > 1:
         fail(
             ("algorithm.rollout_correction_cap",),
@@ -826,12 +854,41 @@ def _validate_algorithm(config: Config, fail) -> None:
         )
 
 
+def _validate_streaming(config: Config, fail) -> None:
+    """Streamed generation's switches against each other and the other modes."""
+    r = config.rollout
+    for name in ("carry_over", "partial_rollout"):
+        if getattr(r, name) and not r.streaming:
+            fail(
+                (f"rollout.{name}", "rollout.streaming"),
+                f"rollout.{name}=true works on streamed generation: set rollout.streaming=true as well",
+            )
+    if r.streaming and config.trainer.async_generation:
+        fail(
+            ("rollout.streaming", "trainer.async_generation"),
+            "rollout.streaming and trainer.async_generation do not combine (yet): set one of them off; carry_over "
+            "and partial_rollout give streaming its own off-policy overlap",
+        )
+    if r.max_prompts_in_flight < 0:
+        fail(
+            ("rollout.max_prompts_in_flight",),
+            f"rollout.max_prompts_in_flight={r.max_prompts_in_flight} must be >= 0 (0 = data.gen_batch_size)",
+        )
+    if r.max_staleness < 1 and (r.carry_over or r.partial_rollout):
+        fail(
+            ("rollout.max_staleness",),
+            f"rollout.max_staleness={r.max_staleness} must be >= 1 with carry_over or partial_rollout (what is "
+            "carried is trained at least one version later)",
+        )
+
+
 def rollout_correction_of(config: Config) -> str:
     """The correction in effect: ``algorithm.rollout_correction`` with ``auto`` resolved."""
     a = config.algorithm
     if a.rollout_correction != "auto":
         return a.rollout_correction
-    return "tis" if config.trainer.async_generation and not a.use_rollout_log_probs else "none"
+    off_policy = config.trainer.async_generation or config.rollout.carry_over or config.rollout.partial_rollout
+    return "tis" if off_policy and not a.use_rollout_log_probs else "none"
 
 
 def _validate_batches(config: Config, fail) -> None:

@@ -54,7 +54,11 @@ class Sample:
     policy_version: int = 0
     """The actor step whose weights the engine sampled with (0: the initial weights), as
     the engine reported it; the trainer refuses to train on a sample more than one step
-    behind the actor."""
+    behind the actor (with streamed generation's carried groups and partial responses,
+    ``rollout.max_staleness``): with ``token_versions``, the oldest of them."""
+    token_versions: Optional[list[int]] = None
+    """Streamed generation: the policy version that sampled each response token (a partial
+    rollout continued under newer weights holds several); None: all ``policy_version``."""
 
     @property
     def reward(self) -> float:
@@ -212,6 +216,11 @@ def save_samples(path, samples: list[Sample], extra: dict) -> None:
     format: token ids and log-probs as flat tensors with their lengths, each prompt once,
     the per-sample numbers as tensors, the strings as lists. Read back bitwise by
     :func:`load_samples` (``torch.load`` with ``weights_only``: no code is unpickled)."""
+    torch.save(samples_record(samples, extra), path)
+
+
+def samples_record(samples: list[Sample], extra: dict) -> dict:
+    """The record :func:`save_samples` writes (tensors, lists, numbers and strings only)."""
     prompts = {s.prompt.prompt_id: s.prompt for s in samples}
 
     def flat(sequences, dtype):
@@ -241,7 +250,11 @@ def save_samples(path, samples: list[Sample], extra: dict) -> None:
         **{key: torch.tensor([getattr(s, key) for s in samples], dtype=torch.int64) for key in _INT_FIELDS},
         **{key: [getattr(s, key) for s in samples] for key in _STR_FIELDS},
     }
-    torch.save(record, path)
+    if any(s.token_versions is not None for s in samples):
+        record["token_versions"] = [
+            None if s.token_versions is None else torch.tensor(s.token_versions, dtype=torch.int64) for s in samples
+        ]
+    return record
 
 
 _FLOAT_FIELDS = ("score", "overlong_penalty")
@@ -251,7 +264,11 @@ _STR_FIELDS = ("finish_reason", "text", "prediction")
 
 def load_samples(path) -> tuple[list[Sample], dict]:
     """The samples and ``extra`` that :func:`save_samples` wrote to ``path``."""
-    record = torch.load(path, weights_only=True)
+    return samples_from_record(torch.load(path, weights_only=True), path)
+
+
+def samples_from_record(record: dict, path="the record") -> tuple[list[Sample], dict]:
+    """The samples and ``extra`` of a :func:`samples_record`."""
     if record.get("format") != 1:
         raise ValueError(f"{path}: not a batch of samples written by this version (format {record.get('format')})")
     p = record["prompts"]
@@ -276,5 +293,7 @@ def load_samples(path) -> tuple[list[Sample], dict]:
                 **{key: bool(record[key][i]) for key in _INT_FIELDS if key != "policy_version"},
             )
         )
+        versions = record["token_versions"][i] if "token_versions" in record else None
+        samples[-1].token_versions = None if versions is None else versions.tolist()
         start += length
     return samples, record["extra"]

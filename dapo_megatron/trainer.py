@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from dapo_megatron.actor.checkpoint import checkpoint_dir, list_checkpoints, point_latest_at
 from dapo_megatron.ckpt.convert import export_hf
 from dapo_megatron.ckpt.dcp_io import LATEST, checkpoint_problem, latest_checkpoint
@@ -212,7 +214,19 @@ def train(
                 samples, rollout_metrics, times = ahead
                 save_samples(partial, samples, {"metrics": rollout_metrics, "times": times})
                 moved[GENERATED_AHEAD] = str(partial)
-            state = _trainer_state(step, loader, config, len(train_data.prompts), GENERATED_AHEAD if moved else None)
+            if stepper.stream is not None:  # carried groups and partial responses
+                partial = Path(save_dir) / f".{STREAM_STATE}.step_{step}.partial"
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(stepper.stream.state_dict(), partial)
+                moved[STREAM_STATE] = str(partial)
+            state = _trainer_state(
+                step,
+                loader,
+                config,
+                len(train_data.prompts),
+                GENERATED_AHEAD if GENERATED_AHEAD in moved else None,
+                STREAM_STATE if STREAM_STATE in moved else None,
+            )
             try:
                 return actor.save(save_dir, config.checkpoint.keep_last, {TRAINER_STATE: state}, moved)
             finally:
@@ -232,6 +246,9 @@ def train(
         if ahead_file:
             samples, extra = load_samples(point[0] / ahead_file)
             stepper.load_state_dict((samples, extra["metrics"], extra["times"]))
+        stream_file = point[1].get("stream_state") if point is not None else None
+        if stream_file and stepper.stream is not None:
+            stepper.stream.load_state_dict(torch.load(point[0] / stream_file, weights_only=True))
         for step in range(start_step + 1, config.trainer.num_steps + 1):
             due = config.checkpoint.save_every and (
                 step % config.checkpoint.save_every == 0 or step == config.trainer.num_steps
@@ -277,6 +294,10 @@ def train(
 TRAINER_STATE = "trainer_state.json"
 """The trainer's own state, inside each actor checkpoint (written before it is published)."""
 
+STREAM_STATE = "stream_state.pt"
+"""Streamed generation: the groups carried over and the partial responses in flight, in
+each checkpoint of a run that streams (see :class:`dapo_megatron.stream_sampling.StreamingSampler`)."""
+
 GENERATED_AHEAD = "generated_ahead.pt"
 """Async generation: the next step's batch, in each checkpoint that has one (binary,
 written once by the driver; see :func:`dapo_megatron.experience.save_samples`)."""
@@ -287,6 +308,9 @@ RESUME_KEYS = (
     "data.train_batch_size",
     "data.gen_batch_size",
     "rollout.n_samples_per_prompt",
+    "rollout.streaming",
+    "rollout.carry_over",
+    "rollout.partial_rollout",
 )
 """Settings the saved data position and batches depend on: a resume must keep them."""
 
@@ -296,13 +320,17 @@ def _setting(config: Config, dotted: str):
     return getattr(getattr(config, section), key)
 
 
-def _trainer_state(step: int, loader: PromptLoader, config: Config, num_prompts: int, ahead: Optional[str]) -> str:
+def _trainer_state(
+    step: int, loader: PromptLoader, config: Config, num_prompts: int, ahead: Optional[str], stream: Optional[str]
+) -> str:
     """What a resumed run needs besides the actor: the step, the data position, what the
     rollout seeds derive from and the settings the data position depends on, and (async
     generation) the name of the file that holds the next step's batch, generated during
-    this one with weights the checkpoint no longer holds. Generation seeds are a function
-    of (rollout.seed, step, round, prompt, sample), and dynamic sampling drops its surplus
-    at the end of every step, so no sampler state or other leftover samples need saving."""
+    this one with weights the checkpoint no longer holds, and (streamed generation) of the
+    file that holds the groups carried over and the partial responses in flight.
+    Generation seeds are a function of (rollout.seed, step, round, prompt, sample), and
+    otherwise dynamic sampling drops its surplus at the end of every step, so no sampler
+    state or other leftover samples need saving."""
     return json.dumps(
         {
             "step": step,
@@ -312,6 +340,7 @@ def _trainer_state(step: int, loader: PromptLoader, config: Config, num_prompts:
             "settings": {key: _setting(config, key) for key in RESUME_KEYS},
             "metrics_step": step,
             "generated_ahead": ahead,
+            "stream_state": stream,
         },
         indent=1,
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -34,7 +35,7 @@ from dapo_megatron.config import Config, hf_weights_folder
 from dapo_megatron.orchestration.calls import call_all, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
 from dapo_megatron.orchestration.placement import engine_gpu_bases, engine_kind, engine_placements, engine_start_gpus
-from dapo_megatron.rollout.engine import Generation, SamplingParams, sampling_seeds
+from dapo_megatron.rollout.engine import Generation, SamplingParams, StreamGroup, sampling_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,20 @@ class EngineWorker:
         for generation in generations:
             generation.weight_version = version
         return generations
+
+    def stream(self, add: list[StreamGroup], params: SamplingParams, max_tokens: int, abort: bool) -> dict:
+        """One tick of streamed generation: take the groups in ``add``, then advance what is
+        in flight by a chunk of up to ``max_tokens`` tokens (stamped with this worker's
+        weight version) and hand back the groups that completed, or, with ``abort``, stop
+        and hand back everything unfinished. ``busy_s``: the seconds this engine worked."""
+        start = time.perf_counter()
+        if add:
+            self.engine.stream_add(add, params)
+        if abort:
+            groups = self.engine.stream_abort()
+        else:
+            groups = self.engine.stream_step(max_tokens, self.weight_version)
+        return {"groups": groups, "busy_s": time.perf_counter() - start}
 
     def set_weight_version(self, version: int) -> None:
         """Record which actor step the weights just synced in come from."""
@@ -290,6 +305,16 @@ class RolloutWorkers:
                 generation.prompt_index += offset
                 results.append(generation)
         return results
+
+    def stream_tick(
+        self, adds: list[list[StreamGroup]], params: SamplingParams, max_tokens: int, abort: bool = False
+    ) -> list[dict]:
+        """One streamed tick on every engine at once (engine ``i`` takes ``adds[i]``), see
+        :meth:`EngineWorker.stream`; each engine's answer, in engine order. The engines
+        advance in lockstep, so what comes back depends on the groups alone, never on
+        which engine answered first."""
+        refs = [engine.stream.remote(add, params, max_tokens, abort) for engine, add in zip(self.engines, adds)]
+        return call_all(refs, "a rollout engine", self.names)
 
     def set_weight_version(self, version: int) -> None:
         """Tell every engine the actor step of the weights it now holds (after a sync)."""

@@ -112,6 +112,48 @@ class Generation:
 
 
 @dataclass
+class StreamRow:
+    """One response of a streamed group, as far as it has been generated."""
+
+    seed: int
+    """Its sampling seed (from :func:`sampling_seeds`); a continuation derives the seed
+    of each later chunk from it and the tokens already there."""
+    token_ids: list[int] = field(default_factory=list)
+    """The tokens sampled so far (the stop token included once it stopped on one)."""
+    log_probs: list[float] = field(default_factory=list)
+    """The sampling log-prob of each token, under the weights that sampled it."""
+    versions: list[int] = field(default_factory=list)
+    """The weight version that sampled each token (partial rollouts continue a response
+    under newer weights, so one response can hold several)."""
+    finish_reason: Optional[str] = None
+    """None while it is still generating; then ``stop``, ``length`` or ``abort``."""
+
+
+@dataclass
+class StreamGroup:
+    """The ``n`` responses of one prompt, streamed: handed to an engine, advanced chunk by
+    chunk, handed back whole once every response has finished (or at an abort, as far as
+    it got)."""
+
+    key: int
+    """Its identity in the run (the driver's draw counter)."""
+    prompt_ids: list[int]
+    """The prompt's tokens."""
+    rows: list[StreamRow]
+    """Its responses."""
+
+    @property
+    def done(self) -> bool:
+        """Every response has finished."""
+        return all(row.finish_reason is not None for row in self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens generated so far, all rows."""
+        return sum(len(row.token_ids) for row in self.rows)
+
+
+@dataclass
 class WeightBucket:
     """A group of HF-named tensors sent together.
 
@@ -238,6 +280,24 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def health(self) -> dict:
         """A small status dict: at least ``ok`` (bool) and ``engine`` (its kind)."""
+
+    # Streamed generation (``rollout.streaming``): groups go in, advance a chunk at a
+    # time, and come back as soon as all their responses have finished; an abort hands
+    # back what is still generating, as far as it got.
+
+    def stream_add(self, groups: list[StreamGroup], params: SamplingParams) -> None:
+        """Start (or, for rows that already hold tokens, continue) generating ``groups``."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def stream_step(self, max_tokens: int, version: int) -> list[StreamGroup]:
+        """Advance every unfinished response by up to ``max_tokens`` tokens (stamped with
+        weight ``version``); the groups that are now complete, removed from the engine."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def stream_abort(self) -> list[StreamGroup]:
+        """Stop everything in flight; the unfinished groups as far as they got (finished
+        rows whole, the others' prefixes), removed from the engine."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Stop processes the engine started."""

@@ -31,6 +31,7 @@ from dapo_megatron.rollout.engine import (
     Generation,
     RolloutEngine,
     SamplingParams,
+    StreamGroup,
     SyncStats,
     WeightBucket,
     WeightSyncError,
@@ -64,6 +65,13 @@ def parallel_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], pool: Optional
         list(pool.map(copy_share, [share for share in shares if share]))
     finally:
         torch.set_num_threads(threads)
+
+
+def _continuation_seed(seed: int, length: int) -> int:
+    """The seed of a streamed chunk that continues a row of ``length`` tokens."""
+    from dapo_megatron.rollout.engine import _mix63
+
+    return _mix63(seed ^ (length * 0x9E3779B97F4A7C15))
 
 
 def hf_config_for(model_config):
@@ -153,6 +161,8 @@ class HFRolloutEngine(RolloutEngine):
         self._session: Optional[dict] = None
         self._last_copy_seconds: Optional[float] = None  # of the last sync: its copies alone
         self._update_group = None  # the weight-update group, once joined (separate engines)
+        self._stream: list[StreamGroup] = []  # streamed groups in flight
+        self._stream_params: Optional[SamplingParams] = None
         threads = torch.get_num_threads()
         self._copy_pool = ThreadPoolExecutor(threads) if self.device.type == "cpu" and threads > 1 else None
         # Checkpoint name -> the model parameter holding it: itself, or (experts, in
@@ -186,15 +196,28 @@ class HFRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Generation]:
+        if not prompts or any(len(p) == 0 for p in prompts) or n < 1:
+            raise ValueError(f"need at least one non-empty prompt and n >= 1 (got {len(prompts)} prompts, n={n})")
+        rows = [prompt for prompt in prompts for _ in range(n)]
+        seed = params.row_seeds[0] if params.row_seeds else params.seed
+        results = []
+        for i, (ids, log_probs, reason) in enumerate(self._sample(rows, params, params.max_new_tokens, seed)):
+            text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
+            results.append(Generation(i // n, ids, log_probs, reason, text))
+        return results
+
+    @torch.no_grad()
+    def _sample(
+        self, rows: list[list[int]], params: SamplingParams, max_new_tokens: int, seed: Optional[int]
+    ) -> list[tuple[list[int], list[float], str]]:
+        """Up to ``max_new_tokens`` new tokens after each row, one ``generate`` call for all
+        (seeded with ``seed``); each row's tokens, their sampling log-probs and why it
+        stopped (``length``: the tokens ran out, not necessarily the response's limit)."""
         from transformers import GenerationConfig
 
         if self.released:
             raise RuntimeError("generate() while the engine's memory is released; call resume_memory() first")
-        if not prompts or any(len(p) == 0 for p in prompts) or n < 1:
-            raise ValueError(f"need at least one non-empty prompt and n >= 1 (got {len(prompts)} prompts, n={n})")
-        rows = [prompt for prompt in prompts for _ in range(n)]
         width = max(len(p) for p in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros_like(input_ids)
@@ -208,14 +231,13 @@ class HFRolloutEngine(RolloutEngine):
             temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p,
             top_k=None if greedy else (0 if params.top_k < 0 else params.top_k),
-            max_new_tokens=params.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             eos_token_id=stop or None,
             pad_token_id=self.pad_token_id,
             output_logits=True,
             return_dict_in_generate=True,
         )
         with torch.random.fork_rng(devices=[]):
-            seed = params.row_seeds[0] if params.row_seeds else params.seed
             if seed is not None:  # one generator for the whole request
                 torch.manual_seed(seed)
             out = self.model.generate(
@@ -233,10 +255,53 @@ class HFRolloutEngine(RolloutEngine):
                 if token in stop:
                     length, reason = t + 1, "stop"
                     break
-            ids = tokens[:length]
-            text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
-            results.append(Generation(i // n, ids, log_probs[i, :length].tolist(), reason, text))
+            results.append((tokens[:length], log_probs[i, :length].tolist(), reason))
         return results
+
+    # ------------------------------------------------------------------ streamed generation
+
+    def stream_add(self, groups: list[StreamGroup], params: SamplingParams) -> None:
+        if self._stream and params != self._stream_params:
+            raise ValueError("stream_add with other sampling parameters than the groups in flight")
+        for group in groups:
+            if not group.prompt_ids or not group.rows:
+                raise ValueError(f"stream group {group.key}: needs a non-empty prompt and at least one row")
+        self._stream_params = params
+        self._stream.extend(groups)
+
+    def stream_step(self, max_tokens: int, version: int) -> list[StreamGroup]:
+        """One chunk of up to ``max_tokens`` tokens for every unfinished row, in one
+        ``generate`` call (the prompt and the row's tokens so far are its input: a row
+        continued after an abort, or under new weights, is prefilled again). The chunk's
+        seed is the first unfinished row's own while it has no tokens yet (so a single
+        chunk that covers whole responses samples what :meth:`generate` would), then a
+        mix of it and its length; a row whose response reaches ``max_new_tokens`` stops
+        with ``length``."""
+        params = self._stream_params
+        active = [(group, row) for group in self._stream for row in group.rows if row.finish_reason is None]
+        if active:
+            first = active[0][1]
+            seed = first.seed if not first.token_ids else _continuation_seed(first.seed, len(first.token_ids))
+            chunk = min(max_tokens, max(params.max_new_tokens - len(row.token_ids) for _, row in active))
+            inputs = [group.prompt_ids + row.token_ids for group, row in active]
+            stop = {*params.stop_token_ids, *self.eos_token_ids}
+            for (_, row), (ids, log_probs, reason) in zip(active, self._sample(inputs, params, chunk, seed)):
+                room = params.max_new_tokens - len(row.token_ids)
+                ids, log_probs = ids[:room], log_probs[:room]
+                row.token_ids += ids
+                row.log_probs += log_probs
+                row.versions += [version] * len(ids)
+                if reason == "stop" and ids and ids[-1] in stop:  # not cut off before its stop token
+                    row.finish_reason = "stop"
+                elif len(row.token_ids) >= params.max_new_tokens:
+                    row.finish_reason = "length"
+        done = [group for group in self._stream if group.done]
+        self._stream = [group for group in self._stream if not group.done]
+        return done
+
+    def stream_abort(self) -> list[StreamGroup]:
+        unfinished, self._stream = self._stream, []
+        return unfinished
 
     # ------------------------------------------------------------------ weights
 

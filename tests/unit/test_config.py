@@ -455,3 +455,30 @@ def test_rollout_correction_settings_are_checked(tmp_path):
     assert "algorithm.rollout_correction=tis weighs by exp(old - rollout), which is 1" in message
     config = load_config(path, ["algorithm.rollout_correction_cap=2", "algorithm.rollout_correction_level=sequence"])
     assert (config.algorithm.rollout_correction, config.algorithm.rollout_correction_level) == ("tis", "sequence")
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["rollout.carry_over=true"], "rollout.carry_over=true works on streamed generation"),
+        (["rollout.partial_rollout=true"], "rollout.partial_rollout=true works on streamed generation"),
+        (["rollout.streaming=true", "trainer.async_generation=true"], "do not combine"),
+        (["rollout.streaming=true", "rollout.max_prompts_in_flight=-1"], "rollout.max_prompts_in_flight=-1"),
+        (["rollout.stream_chunk_tokens=0"], "rollout.stream_chunk_tokens=0 must be at least 1"),
+        (
+            ["rollout.streaming=true", "rollout.carry_over=true", "rollout.max_staleness=0"],
+            "rollout.max_staleness=0 must be >= 1",
+        ),
+    ],
+)
+def test_streaming_switches_are_checked_against_each_other(overrides, named):
+    assert named in error_of(TINY, overrides)
+
+
+def test_carried_and_partial_batches_are_corrected_by_default():
+    from dapo_megatron.config import rollout_correction_of
+
+    assert rollout_correction_of(load_config(TINY, ["rollout.streaming=true"])) == "none"
+    for switch in ("carry_over", "partial_rollout"):
+        config = load_config(TINY, ["rollout.streaming=true", f"rollout.{switch}=true"])
+        assert rollout_correction_of(config) == "tis"

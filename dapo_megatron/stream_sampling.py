@@ -1,0 +1,376 @@
+"""Streamed dynamic sampling: generation that does not wait for the slowest response.
+
+In rounds (``rollout.streaming: false``) a round of ``gen_batch_size x n`` responses
+ends with its longest response, and dynamic sampling then drops the groups whose answers
+agree and draws another whole round. Here the engines hand back each *group* as soon as
+its last response ends; it is scored and filtered at once, and prompts are fed only
+while the kept groups are short of ``train_batch_size`` (at most
+``rollout.max_prompts_in_flight`` generating at a time). When the batch is full the
+engines abort what is still generating, so no step waits for a tail. Two more switches
+waste nothing already generated:
+
+- ``rollout.carry_over``: kept groups beyond the batch start the next step's batch.
+- ``rollout.partial_rollout``: a response cut by the abort keeps its tokens and their
+  sampling log-probs and continues in the next step, under the new weights, first.
+
+Every token records the weight version that sampled it, as its engine reported; a group
+whose oldest token lags the actor by more than ``rollout.max_staleness`` is dropped and
+counted, and the loss corrects the rest by each token's own rollout log-prob (TIS/MIS).
+
+The engines advance in lockstep, a chunk of tokens per tick (SGLang: whatever finished
+meanwhile), and the driver takes each tick's completed groups in key order, so which
+groups are kept, and what a resumed run generates, depend on the data alone, never on
+which engine answered first. What is carried or in flight is part of a checkpoint's
+state (:meth:`StreamingSampler.state_dict`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dapo_megatron.algo.dynamic_sampling import DynamicSamplingExhausted
+from dapo_megatron.config import Config
+from dapo_megatron.data import Prompt
+from dapo_megatron.experience import Sample, apply_rewards, response_metrics, samples_from_record, samples_record
+from dapo_megatron.rollout.engine import SamplingParams, StreamGroup, StreamRow, sampling_seeds
+
+KEY_STEP_SHIFT = 32
+"""A group's key is ``step << KEY_STEP_SHIFT | draw index within the step``."""
+
+
+@dataclass
+class _Open:
+    """A group handed out and not yet back: its prompt, its engine, the group itself (as
+    it was handed out, or as it came back)."""
+
+    prompt: Prompt
+    engine: int
+    group: StreamGroup
+
+    def back(self, group: StreamGroup) -> int:
+        """Take the group as it came back; the tokens generated since it was handed out."""
+        new = group.num_tokens - self.group.num_tokens
+        self.group = group
+        return new
+
+
+def _split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if index < extra else 0) for index in range(parts)]
+
+
+class StreamingSampler:
+    """Collects one step's batch by streamed generation (see the module docstring).
+
+    ``engines``: :class:`~dapo_megatron.orchestration.rollout.RolloutWorkers` (or anything
+    with ``stream_tick`` and ``engines``); ``rewards``: the reward pool.
+    """
+
+    def __init__(self, engines, rewards, loader, sampling: SamplingParams, config: Config, tokenizer) -> None:
+        self.engines, self.rewards, self.loader = engines, rewards, loader
+        self.sampling, self.config, self.tokenizer = sampling, config, tokenizer
+        self.carried: list[list[Sample]] = []  # kept groups beyond the last batch
+        self.partial: list[_Open] = []  # groups cut by the last abort, to continue
+        self.timeline: list[dict] = []  # the last step's ticks: start, wall, each engine's busy seconds
+
+    # ------------------------------------------------------------------ one step
+
+    def collect(self, step: int, version: int, times: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
+        """Step ``step``'s batch, the actor being at ``version`` (what the engines hold);
+        its samples (groups consecutive) and the rollout's metrics. ``times`` gets the
+        seconds of ``generate`` (engine ticks) and ``reward``."""
+        r, a, d = self.config.rollout, self.config.algorithm, self.config.data
+        batch_size = d.train_batch_size
+        per_round = d.gen_batch_size or batch_size
+        num_engines = len(self.engines.engines)
+        capacity = [max(c, 1) for c in _split(r.max_prompts_in_flight or per_round, num_engines)]
+        max_drawn = a.max_num_gen_batches * per_round
+        c = _Counts()
+
+        kept: list[list[Sample]] = []
+        for group in self.carried:  # carried groups first, unless too old
+            lag = version - min(s.policy_version for s in group)
+            if lag > r.max_staleness:
+                c.dropped_stale_groups += 1
+                continue
+            kept.append(group)
+            c.carried_in += 1
+            c.carried_age_max = max(c.carried_age_max, lag)
+        self.carried = []
+        waiting: list[_Open] = []  # partial groups continue before any new prompt
+        for item in self.partial:
+            versions = [v for row in item.group.rows for v in row.versions]
+            lag = version - min(versions) if versions else 0
+            if lag > r.max_staleness:
+                c.dropped_stale_partial += 1
+                c.aborted_tokens += item.group.num_tokens
+                continue
+            waiting.append(item)
+            c.partial_in += sum(row.finish_reason is None for row in item.group.rows)
+            c.partial_age_max = max(c.partial_age_max, lag)
+        self.partial = []
+
+        load = [0] * num_engines
+        open_groups: dict[int, _Open] = {}
+        drawn = 0
+        self.timeline = []
+        phase_start = time.perf_counter()
+        while len(kept) < batch_size:
+            free = [cap - used for cap, used in zip(capacity, load)]
+            wanted = sum(max(f, 0) for f in free) - len(waiting)
+            if max_drawn:
+                wanted = min(wanted, max_drawn - drawn)
+            if wanted > 0:
+                prompts = self.loader.next_batch(wanted)
+                waiting += [self._new_group(step, drawn + i, prompt) for i, prompt in enumerate(prompts)]
+                drawn += len(prompts)
+            adds: list[list[StreamGroup]] = [[] for _ in range(num_engines)]
+            for engine in range(num_engines):  # contiguous shares, engine by engine
+                while waiting and load[engine] < capacity[engine]:
+                    item = waiting.pop(0)
+                    item.engine = engine
+                    adds[engine].append(item.group)
+                    open_groups[item.group.key] = item
+                    load[engine] += 1
+            if not open_groups:
+                raise DynamicSamplingExhausted(self._exhausted_message(drawn, c, len(kept)))
+            tick_start = time.perf_counter()
+            answers = self.engines.stream_tick(adds, self.sampling, r.stream_chunk_tokens)
+            wall = time.perf_counter() - tick_start
+            times["generate"] = times.get("generate", 0.0) + wall
+            completed = sorted((g for answer in answers for g in answer["groups"]), key=lambda g: g.key)
+            done = [open_groups.pop(g.key) for g in completed]
+            for item, g in zip(done, completed):  # tokens count when their group comes back
+                load[item.engine] -= 1
+                c.generated_tokens += item.back(g)
+            self.timeline.append(
+                {"start": tick_start - phase_start, "wall": wall, "busy": [answer["busy_s"] for answer in answers]}
+            )
+            kept += self._score_and_filter(done, c, times)
+
+        if open_groups:  # the batch is full: stop what is still generating
+            tick_start = time.perf_counter()
+            answers = self.engines.stream_tick([[] for _ in range(num_engines)], self.sampling, 0, abort=True)
+            wall = time.perf_counter() - tick_start
+            times["generate"] = times.get("generate", 0.0) + wall
+            self.timeline.append(
+                {
+                    "start": tick_start - phase_start,
+                    "wall": wall,
+                    "busy": [answer["busy_s"] for answer in answers],
+                    "abort": True,
+                }
+            )
+            for g in sorted((g for answer in answers for g in answer["groups"]), key=lambda g: g.key):
+                item = open_groups.pop(g.key)
+                c.generated_tokens += item.back(g)
+                if r.partial_rollout:
+                    self.partial.append(item)
+                else:
+                    c.aborted_tokens += g.num_tokens
+                    c.aborted_groups += 1
+        self.partial += waiting  # partial groups there was no room for (a batch full of carried groups)
+        phase = time.perf_counter() - phase_start
+
+        batch_groups, surplus = kept[:batch_size], kept[batch_size:]
+        if r.carry_over:
+            self.carried = surplus
+        batch = [sample for group in batch_groups for sample in group]
+        c.kept_new = len(kept) - c.carried_in
+        return batch, self._metrics(batch, c, drawn, per_round, len(surplus), phase, times)
+
+    def _new_group(self, step: int, index: int, prompt: Prompt) -> _Open:
+        """Draw ``index`` of ``step``: its rows seeded as generation round ``index //
+        gen_batch_size``'s prompt ``index % gen_batch_size`` would be (so streaming with
+        one tick per round samples what rounds do)."""
+        r, d = self.config.rollout, self.config.data
+        per_round = d.gen_batch_size or d.train_batch_size
+        round_index, position = divmod(index, per_round)
+        n = r.n_samples_per_prompt
+        seeds = sampling_seeds(r.seed, step, round_index, position + 1, n)[position * n :]
+        group = StreamGroup(step << KEY_STEP_SHIFT | index, list(prompt.token_ids), [StreamRow(s) for s in seeds])
+        return _Open(prompt, -1, group)
+
+    def _score_and_filter(self, items: list[_Open], c: _Counts, times) -> list[list[Sample]]:
+        """The completed groups as samples, scored; those dynamic sampling keeps."""
+        if not items:
+            return []
+        groups = [self._samples_of(item) for item in items]
+        flat = [sample for group in groups for sample in group]
+        start = time.perf_counter()
+        results = self.rewards.score([s.text for s in flat], [s.prompt.ground_truth for s in flat])
+        apply_rewards(flat, results, self.config.algorithm, self.config.rollout.max_response_length)
+        times["reward"] = times.get("reward", 0.0) + time.perf_counter() - start
+        c.timeouts += sum(s.timed_out for s in flat)
+        c.errors += sum(s.reward_error for s in flat)
+        c.scored_responses += len(flat)
+        kept = []
+        for group in groups:
+            if any(s.finish_reason == "abort" for s in group):  # the engine gave up on it
+                c.engine_aborted += sum(s.finish_reason == "abort" for s in group)
+                continue
+            c.generated_groups += 1
+            outcomes = {s.correct for s in group}
+            if len(outcomes) == 1:
+                c.all_equal += 1
+                if self.config.algorithm.dynamic_sampling:
+                    continue
+            kept.append(group)
+        return kept
+
+    def _samples_of(self, item: _Open) -> list[Sample]:
+        g = item.group
+        step, index = g.key >> KEY_STEP_SHIFT, g.key & ((1 << KEY_STEP_SHIFT) - 1)
+        samples = []
+        for row in g.rows:
+            samples.append(
+                Sample(
+                    group_id=(step, index),
+                    prompt=item.prompt,
+                    response_ids=list(row.token_ids),
+                    engine_log_probs=list(row.log_probs),
+                    finish_reason=row.finish_reason or "abort",
+                    text=self.tokenizer.decode(row.token_ids, skip_special_tokens=True),
+                    policy_version=min(row.versions) if row.versions else -1,
+                    token_versions=list(row.versions),
+                )
+            )
+        return samples
+
+    def _exhausted_message(self, drawn: int, c: _Counts, num_kept: int) -> str:
+        a, d = self.config.algorithm, self.config.data
+        ratio = num_kept / c.generated_groups if c.generated_groups else 0.0
+        return (
+            f"dynamic sampling could not fill the batch: {drawn} prompts were drawn this step (the bound: "
+            f"algorithm.max_num_gen_batches={a.max_num_gen_batches} x data.gen_batch_size="
+            f"{d.gen_batch_size or d.train_batch_size}), {c.generated_groups} groups generated and {num_kept} kept "
+            f"(keep ratio {ratio:.1%}), but data.train_batch_size={d.train_batch_size} are needed. Raise "
+            "algorithm.max_num_gen_batches (0 = unlimited) or data.gen_batch_size; a keep ratio this low also means "
+            "the prompts are too easy or too hard for the model"
+        )
+
+    def _metrics(self, batch, c: _Counts, drawn, per_round, surplus, phase, times) -> dict[str, float]:
+        r = self.config.rollout
+        trained_tokens = sum(len(s.response_ids) for s in batch)
+        versions = [v for s in batch for v in (s.token_versions or [s.policy_version])]
+        busy = [sum(tick["busy"][e] for tick in self.timeline) for e in range(len(self.engines.engines))]
+        idle = [max(phase - b, 0.0) for b in busy]
+        metrics = {
+            **response_metrics(batch, r.max_response_length),
+            "reward/timeouts": float(c.timeouts),
+            "reward/errors": float(c.errors),
+            "rollout/aborted_responses": float(c.engine_aborted),
+            "dynamic_sampling/generated": float(c.generated_groups),
+            "dynamic_sampling/kept": float(c.kept_new),
+            "dynamic_sampling/rounds": drawn / per_round,
+            "dynamic_sampling/keep_ratio": c.kept_new / c.generated_groups if c.generated_groups else 0.0,
+            "dynamic_sampling/trimmed": 0.0 if r.carry_over else float(surplus),
+            "dynamic_sampling/batch_groups": len(batch) / r.n_samples_per_prompt,
+            "dynamic_sampling/all_equal_share": c.all_equal / max(c.generated_groups, 1),
+            "throughput/generate_tokens_per_s": c.generated_tokens / max(times.get("generate", 0.0), 1e-9),
+            "throughput/reward_responses_per_s": c.scored_responses / max(times.get("reward", 0.0), 1e-9),
+            "data/epoch": float(self.loader.epoch),
+            "stream/prompts_drawn": float(drawn),
+            "stream/generated_tokens": float(c.generated_tokens),
+            "stream/trained_tokens": float(trained_tokens),
+            "stream/generated_per_trained_token": c.generated_tokens / max(trained_tokens, 1),
+            "stream/aborted_tokens": float(c.aborted_tokens),
+            "stream/aborted_groups": float(c.aborted_groups),
+            "stream/carried_in_groups": float(c.carried_in),
+            "stream/carried_out_groups": float(len(self.carried)),
+            "stream/carried_age_max": float(c.carried_age_max),
+            "stream/dropped_stale_groups": float(c.dropped_stale_groups + c.dropped_stale_partial),
+            "stream/partial_in_responses": float(c.partial_in),
+            "stream/partial_out_responses": float(
+                sum(row.finish_reason is None for item in self.partial for row in item.group.rows)
+            ),
+            "stream/partial_out_tokens": float(sum(item.group.num_tokens for item in self.partial)),
+            "stream/partial_age_max": float(c.partial_age_max),
+            "stream/version_spread": float(max(versions) - min(versions)) if versions else 0.0,
+            "stream/ticks": float(len(self.timeline)),
+            "stream/engine_idle_share_max": max(idle) / max(phase, 1e-9),
+            "stream/engine_idle_share_mean": sum(idle) / len(idle) / max(phase, 1e-9),
+        }
+        for engine, seconds in enumerate(idle):
+            metrics[f"stream/engine{engine}_idle_s"] = seconds
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoint state
+
+    def state_dict(self) -> dict:
+        """What is carried and in flight between steps (tensors, lists, numbers, strings:
+        ``torch.save`` it and read it back with ``weights_only``)."""
+        carried = [sample for group in self.carried for sample in group]
+        return {
+            "format": 1,
+            "carried_sizes": [len(group) for group in self.carried],
+            "carried": samples_record(carried, {}),
+            "partial": [
+                {
+                    "key": item.group.key,
+                    "prompt": [item.prompt.prompt_id, torch.tensor(item.prompt.token_ids, dtype=torch.int64)]
+                    + [item.prompt.ground_truth, item.prompt.data_source, item.prompt.text],
+                    "prompt_ids": torch.tensor(item.group.prompt_ids, dtype=torch.int64),
+                    "rows": [
+                        {
+                            "seed": row.seed,
+                            "token_ids": torch.tensor(row.token_ids, dtype=torch.int64),
+                            "log_probs": torch.tensor(row.log_probs, dtype=torch.float64),
+                            "versions": torch.tensor(row.versions, dtype=torch.int64),
+                            "finish_reason": row.finish_reason or "",
+                        }
+                        for row in item.group.rows
+                    ],
+                }
+                for item in self.partial
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != 1:
+            raise ValueError(f"not a streamed-generation state written by this version (format {state.get('format')})")
+        samples, _ = samples_from_record(state["carried"])
+        self.carried, start = [], 0
+        for size in state["carried_sizes"]:
+            self.carried.append(samples[start : start + size])
+            start += size
+        self.partial = []
+        for item in state["partial"]:
+            prompt_id, token_ids, ground_truth, data_source, text = item["prompt"]
+            prompt = Prompt(prompt_id, tuple(token_ids.tolist()), ground_truth, data_source, text)
+            rows = [
+                StreamRow(
+                    row["seed"],
+                    row["token_ids"].tolist(),
+                    row["log_probs"].tolist(),
+                    row["versions"].tolist(),
+                    row["finish_reason"] or None,
+                )
+                for row in item["rows"]
+            ]
+            self.partial.append(_Open(prompt, -1, StreamGroup(item["key"], item["prompt_ids"].tolist(), rows)))
+
+
+@dataclass
+class _Counts:
+    """One step's tallies."""
+
+    generated_tokens: int = 0
+    aborted_tokens: int = 0
+    aborted_groups: int = 0
+    generated_groups: int = 0
+    all_equal: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    engine_aborted: int = 0
+    scored_responses: int = 0
+    carried_in: int = 0
+    carried_age_max: int = 0
+    dropped_stale_groups: int = 0
+    dropped_stale_partial: int = 0
+    partial_in: int = 0
+    partial_age_max: int = 0
+    kept_new: int = 0

@@ -1,0 +1,101 @@
+"""The transformers engine's streamed generation: groups back when complete, aborts that
+hand back exact prefixes, continuations under new weights with per-token versions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dapo_megatron.rollout.engine import SamplingParams, StreamGroup, StreamRow, sampling_seeds
+from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+from tests.unit.test_hf_engine import buckets_of, tiny_model
+
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(7,))
+
+
+def groups(prompts, seeds, n):
+    return [
+        StreamGroup(key, list(prompt), [StreamRow(seed) for seed in seeds[key * n : (key + 1) * n]])
+        for key, prompt in enumerate(prompts)
+    ]
+
+
+@pytest.fixture
+def engine():
+    torch.manual_seed(0)
+    return HFRolloutEngine.from_model_config(tiny_model())
+
+
+PROMPTS = [[3, 4, 5], [9, 10], [11, 12, 13, 14]]
+
+
+def test_one_chunk_of_whole_responses_samples_what_generate_does(engine):
+    seeds = sampling_seeds(1234, 3, 0, len(PROMPTS), 2)
+    expected = engine.generate(PROMPTS, SamplingParams(**{**SAMPLING.__dict__, "row_seeds": seeds}), n=2)
+    engine.stream_add(groups(PROMPTS, seeds, 2), SAMPLING)
+    done = engine.stream_step(SAMPLING.max_new_tokens, version=5)
+    assert [g.key for g in done] == [0, 1, 2]
+    rows = [row for g in done for row in g.rows]
+    assert [row.token_ids for row in rows] == [e.token_ids for e in expected]
+    assert [row.log_probs for row in rows] == [e.log_probs for e in expected]
+    assert [row.finish_reason for row in rows] == [e.finish_reason for e in expected]
+    assert all(row.versions == [5] * len(row.token_ids) for row in rows)
+    assert engine.stream_step(4, version=5) == [] and engine.stream_abort() == []
+
+
+def test_groups_come_back_as_they_complete_and_abort_returns_the_rest(engine):
+    seeds = sampling_seeds(1, 0, 0, len(PROMPTS), 3)
+    engine.stream_add(groups(PROMPTS, seeds, 3), SAMPLING)
+    returned, ticks = [], 0
+    while ticks < 3:
+        for group in engine.stream_step(2, version=0):
+            assert group.done  # only whole groups come back
+            returned.append(group.key)
+        ticks += 1
+    cut = engine.stream_abort()
+    assert sorted(returned + [g.key for g in cut]) == [0, 1, 2]
+    assert all(not g.done for g in cut) and engine.stream_abort() == []
+    for group in cut:  # at most three chunks of two tokens each, nothing past the abort
+        assert all(len(row.token_ids) <= 6 for row in group.rows)
+        assert any(row.finish_reason is None for row in group.rows)
+
+
+def test_a_partial_response_continues_from_its_exact_prefix_under_new_weights(engine):
+    seeds = sampling_seeds(7, 1, 0, 1, 4)
+    long = SamplingParams(temperature=1.0, max_new_tokens=20)  # no stop token: every row runs on
+    engine.stream_add(groups([PROMPTS[0]], seeds, 4), long)
+    assert engine.stream_step(5, version=2) == []
+    (cut,) = engine.stream_abort()
+    prefix = copy.deepcopy(cut)
+    assert all(len(row.token_ids) == 5 and row.versions == [2] * 5 for row in cut.rows)
+    torch.manual_seed(1)
+    newer = HFRolloutEngine.from_model_config(tiny_model())
+    engine.update_weights(buckets_of(newer.state_dict()))
+    engine.stream_add([cut], long)
+    (done,) = engine.stream_step(20, version=3)
+    for before, after in zip(prefix.rows, done.rows):
+        assert after.token_ids[:5] == before.token_ids and after.log_probs[:5] == before.log_probs
+        assert len(after.token_ids) == 20 and after.finish_reason == "length"
+        assert after.versions == [2] * 5 + [3] * 15
+    # The continuation's log-probs are the new weights': the same tokens scored by the new model.
+    row = done.rows[0]
+    logits = newer.model(torch.tensor([PROMPTS[0] + row.token_ids])).logits[0].float()
+    scored = torch.log_softmax(logits, -1)[len(PROMPTS[0]) - 1 : -1].gather(-1, torch.tensor(row.token_ids)[:, None])
+    torch.testing.assert_close(torch.tensor(row.log_probs[5:]), scored[5:, 0], atol=1e-5, rtol=0)
+    with pytest.raises(AssertionError):  # negative control: the old weights' scores differ
+        old = HFRolloutEngine.from_model_config(tiny_model())
+        logits = old.model(torch.tensor([PROMPTS[0] + row.token_ids])).logits[0].float()
+        rescored = torch.log_softmax(logits, -1)[len(PROMPTS[0]) - 1 : -1]
+        rescored = rescored.gather(-1, torch.tensor(row.token_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(row.log_probs[5:]), rescored[5:, 0], atol=1e-5, rtol=0)
+
+
+def test_a_response_stops_at_its_limit_even_inside_a_chunk(engine):
+    seeds = sampling_seeds(3, 0, 0, 1, 2)
+    short = SamplingParams(temperature=1.0, max_new_tokens=7)
+    engine.stream_add(groups([PROMPTS[1]], seeds, 2), short)
+    assert engine.stream_step(4, version=0) == []
+    (done,) = engine.stream_step(4, version=0)
+    assert all(len(row.token_ids) == 7 and row.finish_reason == "length" for row in done.rows)
