@@ -291,11 +291,13 @@ class StreamingSampler:
             "stream/partial_age_max": float(c.partial_age_max),
             "stream/version_spread": float(max(versions) - min(versions)) if versions else 0.0,
             "stream/ticks": float(len(self.timeline)),
-            "stream/engine_idle_share_max": max(idle) / max(phase, 1e-9),
-            "stream/engine_idle_share_mean": sum(idle) / len(idle) / max(phase, 1e-9),
+            # Wall-clock figures (time/): each engine's seconds without work in the phase.
+            "time/engine_idle_share_max": max(idle) / max(phase, 1e-9),
+            "time/engine_idle_share_mean": sum(idle) / len(idle) / max(phase, 1e-9),
+            "time/generation_phase": phase,
         }
         for engine, seconds in enumerate(idle):
-            metrics[f"stream/engine{engine}_idle_s"] = seconds
+            metrics[f"time/engine{engine}_idle"] = seconds
         return metrics
 
     # ------------------------------------------------------------------ checkpoint state

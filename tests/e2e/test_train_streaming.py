@@ -1,0 +1,66 @@
+"""Training with streamed generation, through the whole system: as rounds when a tick
+covers a round, and an exact resume with carried groups and partial responses in flight."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dapo_megatron.ckpt.dcp_io import latest_checkpoint
+from dapo_megatron.config import config_from_dict
+from dapo_megatron.trainer import STREAM_STATE, train
+from tests.e2e.conftest import run_config
+from tests.e2e.test_resume import FOUR_STEPS, _metrics
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _streamed(root, out, **overrides):
+    raw = run_config(root, out, **{**FOUR_STEPS, **overrides})
+    raw["rollout"].update(max_response_length=12, streaming=True, stream_chunk_tokens=3, max_prompts_in_flight=6)
+    raw["algorithm"]["overlong_buffer_len"] = 4
+    return raw
+
+
+def test_streaming_with_one_tick_per_round_trains_as_rounds_do(tiny_model, tmp_path):
+    """Every metric of today's rounds, to the bit, from the streamed path when each tick
+    covers a whole round (chunks of max_response_length tokens, a round in flight)."""
+    rounds = run_config(tiny_model, tmp_path / "rounds", **{**FOUR_STEPS, "trainer.num_steps": 2})
+    streamed = run_config(tiny_model, tmp_path / "streamed", **{**FOUR_STEPS, "trainer.num_steps": 2})
+    streamed["rollout"].update(streaming=True, stream_chunk_tokens=6, max_prompts_in_flight=4)
+    train(config_from_dict(rounds, "e2e"))
+    train(config_from_dict(streamed, "e2e"))
+    expected, got = _metrics(tmp_path / "rounds"), _metrics(tmp_path / "streamed")
+    assert sorted(got) == sorted(expected) == [1, 2]
+    for step in expected:
+        assert {k: got[step][k] for k in expected[step]} == expected[step], step
+        assert got[step]["stream/aborted_tokens"] == 0.0  # a round ends when its last group does
+
+
+def test_a_streamed_run_with_carried_and_partial_groups_resumes_exactly(tiny_model, tmp_path):
+    switches = {"carry_over": True, "partial_rollout": True}
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    raw = _streamed(tiny_model, whole)
+    raw["rollout"].update(switches)
+    train(config_from_dict(raw, "e2e"))
+    raw = _streamed(tiny_model, split, **{"trainer.num_steps": 2})
+    raw["rollout"].update(switches)
+    train(config_from_dict(raw, "e2e"))
+    state = torch.load(latest_checkpoint(split / "checkpoints") / STREAM_STATE, weights_only=True)
+    assert state["partial"] or state["carried_sizes"]  # something was in flight at the save
+    raw = _streamed(tiny_model, split)
+    raw["rollout"].update(switches)
+    train(config_from_dict(raw, "e2e"), resume=True)
+    expected, got = _metrics(whole), _metrics(split)
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+    for step in expected:
+        assert got[step] == expected[step], step
+    steps = list(expected.values())
+    assert any(s["stream/partial_in_responses"] > 0 for s in steps)
+    assert any(s["stream/carried_in_groups"] > 0 or s["stream/partial_in_responses"] > 0 for s in steps[2:])
+    assert all("rollout_correction/weight_mean" in s for s in steps)  # auto: token-level TIS
+    assert all(s["staleness/max"] <= 1 for s in steps) and any(s["staleness/max"] == 1 for s in steps)
+    for s in steps:
+        assert not [k for k, v in s.items() if isinstance(v, float) and not math.isfinite(v)]
