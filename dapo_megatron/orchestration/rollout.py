@@ -96,7 +96,7 @@ class EngineWorker:
         if add:
             self.engine.stream_add(add, params)
         if abort:
-            groups = self.engine.stream_abort()
+            groups = self.engine.stream_abort(self.weight_version)
         else:
             groups = self.engine.stream_step(max_tokens, self.weight_version)
         return {"groups": groups, "busy_s": time.perf_counter() - start}

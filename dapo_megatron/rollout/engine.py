@@ -83,6 +83,13 @@ def sampling_seeds(seed: int, step: int, round_index: int, num_prompts: int, n: 
     )
 
 
+def continuation_seed(seed: int, length: int) -> int:
+    """The sampling seed of a streamed row with seed ``seed`` once it holds ``length``
+    tokens (``seed`` itself while it holds none): a continuation, after an abort or a
+    chunk, samples from a seed of its own that the row's tokens so far determine."""
+    return seed if length == 0 else _mix63(seed ^ (length * 0x9E3779B97F4A7C15))
+
+
 def _mix63(x: int) -> int:
     """A bijection of 63-bit integers (splitmix64's finaliser, reduced mod 2**63)."""
     x &= _MASK63
@@ -294,9 +301,10 @@ class RolloutEngine(abc.ABC):
         weight ``version``); the groups that are now complete, removed from the engine."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
 
-    def stream_abort(self) -> list[StreamGroup]:
+    def stream_abort(self, version: int) -> list[StreamGroup]:
         """Stop everything in flight; the unfinished groups as far as they got (finished
-        rows whole, the others' prefixes), removed from the engine."""
+        rows whole, the others' prefixes; tokens sampled since the last step stamped with
+        ``version``), removed from the engine."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook

@@ -35,6 +35,7 @@ from dapo_megatron.rollout.engine import (
     SyncStats,
     WeightBucket,
     WeightSyncError,
+    continuation_seed,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,13 +66,6 @@ def parallel_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], pool: Optional
         list(pool.map(copy_share, [share for share in shares if share]))
     finally:
         torch.set_num_threads(threads)
-
-
-def _continuation_seed(seed: int, length: int) -> int:
-    """The seed of a streamed chunk that continues a row of ``length`` tokens."""
-    from dapo_megatron.rollout.engine import _mix63
-
-    return _mix63(seed ^ (length * 0x9E3779B97F4A7C15))
 
 
 def hf_config_for(model_config):
@@ -281,7 +275,7 @@ class HFRolloutEngine(RolloutEngine):
         active = [(group, row) for group in self._stream for row in group.rows if row.finish_reason is None]
         if active:
             first = active[0][1]
-            seed = first.seed if not first.token_ids else _continuation_seed(first.seed, len(first.token_ids))
+            seed = continuation_seed(first.seed, len(first.token_ids))
             chunk = min(max_tokens, max(params.max_new_tokens - len(row.token_ids) for _, row in active))
             inputs = [group.prompt_ids + row.token_ids for group, row in active]
             stop = {*params.stop_token_ids, *self.eos_token_ids}
@@ -299,7 +293,7 @@ class HFRolloutEngine(RolloutEngine):
         self._stream = [group for group in self._stream if not group.done]
         return done
 
-    def stream_abort(self) -> list[StreamGroup]:
+    def stream_abort(self, version: int) -> list[StreamGroup]:
         unfinished, self._stream = self._stream, []
         return unfinished
 

@@ -30,6 +30,14 @@ What SGLang 0.5.23 does, and what this wrapper does about it:
   counts or SGLang releases differ.
 - A request aborted by the server finishes with reason ``abort``: reported as such, and
   the trainer drops its group.
+- Streamed generation (``rollout.streaming``) submits each response row as its own
+  request (``async_generate`` on the engine's event loop, with a request id of its own)
+  and hands back a group once all its rows have returned. An abort is
+  ``tokenizer_manager.abort_request(rid=...)`` per row in flight: the scheduler matches
+  ids by *prefix* (``req.rid.startswith(rid)``), so every id here has the same width;
+  a running request then finishes with ``FINISH_ABORT()`` (no status code), which the
+  tokenizer manager returns as a normal output holding the tokens generated so far
+  (only aborts with an HTTP status code raise): those are the row's prefix.
 - ``Engine(...)`` sets ``CUDA_DEVICE_MAX_CONNECTIONS`` and the ``spawn`` start method for
   the whole process: engines are created only in their own worker processes
   (:func:`mark_engine_process`), never in the driver or an actor rank. Each is given its
@@ -58,6 +66,7 @@ import math
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -66,9 +75,11 @@ from dapo_megatron.rollout.engine import (
     Generation,
     RolloutEngine,
     SamplingParams,
+    StreamGroup,
     SyncStats,
     WeightBucket,
     WeightSyncError,
+    continuation_seed,
     with_last_flag,
 )
 
@@ -95,8 +106,14 @@ SGLANG_API: dict[str, dict[str, tuple[str, ...]]] = {
         "resume_memory_occupation": ("tags",),
         "get_server_info": (),
         "shutdown": (),
+        "async_generate": ("input_ids", "sampling_params", "return_logprob", "rid"),
+    },
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager": {
+        "abort_request": ("rid",),
     },
 }
+# Attributes of an Engine instance used below (assigned in its __init__).
+SGLANG_ENGINE_ATTRIBUTES = ("loop", "tokenizer_manager")
 # The Engine methods that answer (success, message); the wrapper checks every answer.
 SGLANG_CHECKED_CALLS = (
     "init_weights_update_group",
@@ -190,6 +207,12 @@ def row_sampling_params(params: SamplingParams, rows: int) -> list[dict]:
     return [{**base, "sampling_seed": params.seed + row} for row in range(rows)]
 
 
+def stream_request_id(key: int, row: int, length: int) -> str:
+    """The request id of a streamed row: fixed width, so that no id is a prefix of
+    another (SGLang's abort matches ids by prefix)."""
+    return f"dapo-{key:016x}-{row:05d}-{length:08d}"
+
+
 def finish_reason_of(meta: dict) -> str:
     """``stop``, ``length`` or ``abort`` from SGLang's ``meta_info['finish_reason']``."""
     reason = meta.get("finish_reason") or {}
@@ -260,6 +283,8 @@ class SGLangRolloutEngine(RolloutEngine):
         self.weight_version = 0
         self.last_sync: Optional[SyncStats] = None
         self._session: Optional[dict] = None
+        self._stream_groups: dict[int, StreamGroup] = {}  # streamed groups in flight, by key
+        self._stream_tasks: dict[str, tuple] = {}  # request id -> (task, group key, row)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Generation]:
         if not prompts or n < 1:
@@ -277,6 +302,80 @@ class SGLangRolloutEngine(RolloutEngine):
                 Generation(i // n, list(out["output_ids"]), log_probs, finish_reason_of(meta), out.get("text"))
             )
         return results
+
+    # ------------------------------------------------------------------ streamed generation
+
+    stream_wait_s: float = 1.0
+    """The longest one :meth:`stream_step` waits for a request to finish."""
+
+    def stream_add(self, groups: list[StreamGroup], params: SamplingParams) -> None:
+        """Submit every unfinished row of ``groups`` as a request of its own, continuing
+        after the tokens it holds (SGLang's prefix cache reuses the prompt's)."""
+        self._check_servable()
+        for group in groups:
+            self._stream_groups[group.key] = group
+            for index, row in enumerate(group.rows):
+                if row.finish_reason is not None:
+                    continue
+                rid = stream_request_id(group.key, index, len(row.token_ids))
+                sampling = {
+                    **row_sampling_params(replace(params, seed=None, row_seeds=None), 1)[0],
+                    "max_new_tokens": params.max_new_tokens - len(row.token_ids),
+                    "sampling_seed": continuation_seed(row.seed, len(row.token_ids)),
+                }
+                coroutine = self._engine.async_generate(
+                    input_ids=group.prompt_ids + row.token_ids, sampling_params=sampling, return_logprob=True, rid=rid
+                )
+                self._stream_tasks[rid] = (self._engine.loop.create_task(coroutine), group.key, index)
+
+    def stream_step(self, max_tokens: int, version: int) -> list[StreamGroup]:
+        """Wait until a request finishes (at most :attr:`stream_wait_s`; SGLang schedules
+        tokens itself, so ``max_tokens`` is not used) and hand back the complete groups."""
+        import asyncio
+
+        tasks = [task for task, _, _ in self._stream_tasks.values()]
+        if tasks:
+            self._engine.loop.run_until_complete(
+                asyncio.wait(tasks, timeout=self.stream_wait_s, return_when=asyncio.FIRST_COMPLETED)
+            )
+        self._take_finished(version, aborting=False)
+        done = [group for group in self._stream_groups.values() if group.done]
+        for group in done:
+            del self._stream_groups[group.key]
+        return done
+
+    def stream_abort(self, version: int) -> list[StreamGroup]:
+        """Abort every request in flight, wait for their outputs (the tokens so far) and
+        hand back the unfinished groups with those prefixes."""
+        import asyncio
+
+        for rid in self._stream_tasks:
+            self._engine.tokenizer_manager.abort_request(rid=rid)
+        tasks = [task for task, _, _ in self._stream_tasks.values()]
+        if tasks:
+            self._engine.loop.run_until_complete(asyncio.wait(tasks))
+        self._take_finished(version, aborting=True)
+        groups, self._stream_groups = list(self._stream_groups.values()), {}
+        return groups
+
+    def _take_finished(self, version: int, aborting: bool) -> None:
+        """Append each finished request's tokens and log-probs to its row; a row our own
+        abort cut stays unfinished (its tokens are a prefix to continue)."""
+        for rid, (task, key, index) in list(self._stream_tasks.items()):
+            if not task.done():
+                continue
+            del self._stream_tasks[rid]
+            row = self._stream_groups[key].rows[index]
+            out = task.result()
+            meta = out["meta_info"]
+            log_probs = [entry[0] for entry in meta.get("output_token_logprobs") or []]
+            ids = list(out["output_ids"])[: len(log_probs)]  # a token without its log-prob is not kept
+            row.token_ids += ids
+            row.log_probs += log_probs[: len(ids)]
+            row.versions += [version] * len(ids)
+            reason = finish_reason_of(meta)
+            if not (aborting and reason == "abort"):
+                row.finish_reason = reason
 
     def _check_servable(self) -> None:
         if self.released:

@@ -200,7 +200,46 @@ def test_checked_calls_answer_success_and_message_and_the_rest_answer_nothing():
         "resume_memory_occupation",
         "get_server_info",
         "shutdown",
+        "async_generate",
     }
+
+
+SCHEDULER = "sglang/srt/managers/scheduler.py"
+TOKENIZER_MANAGER = "sglang/srt/managers/tokenizer_manager.py"
+
+
+def test_the_engine_holds_the_loop_and_tokenizer_manager_streaming_uses():
+    from dapo_megatron.rollout.sglang_engine import SGLANG_ENGINE_ATTRIBUTES
+
+    init = _functions("sglang/srt/entrypoints/engine.py")["__init__"]
+    assigned = {
+        target.attr
+        for node in ast.walk(init)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self"
+    }
+    assert set(SGLANG_ENGINE_ATTRIBUTES) <= assigned
+    # async_generate without stream answers the request's one output (not an iterator).
+    body = ast.unparse(_functions("sglang/srt/entrypoints/engine.py")["async_generate"])
+    assert "return await generator.__anext__()" in body
+
+
+def test_an_abort_matches_ids_by_prefix_and_returns_a_running_requests_tokens():
+    """What streamed generation's abort relies on: the scheduler matches request ids by
+    prefix (so the wrapper's ids have one width), a running request is finished with a
+    plain FINISH_ABORT() (no status code), and the tokenizer manager raises only for an
+    abort with an HTTP status code, so ours come back as outputs with their tokens."""
+    from dapo_megatron.rollout.sglang_engine import stream_request_id
+
+    abort = ast.unparse(_functions(SCHEDULER)["abort_request"])
+    assert "req.rid.startswith(recv_req.rid)" in abort
+    assert "req.to_finish = FINISH_ABORT()" in abort
+    handle = ast.unparse(_functions(TOKENIZER_MANAGER)["_handle_abort_finish_reason"])
+    assert "status_code is None" in handle and "return None" in handle
+    ids = [stream_request_id(key, row, length) for key in (1, 17, 2**40) for row in (0, 9, 10) for length in (0, 5, 50)]
+    assert len({len(i) for i in ids}) == 1 and len(set(ids)) == len(ids)
+    assert not [a for a in ids for b in ids if a != b and b.startswith(a)]
 
 
 def test_wrapper_checks_every_answer():

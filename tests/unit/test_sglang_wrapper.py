@@ -13,6 +13,7 @@ reported as such, and an engine is only built in an engine process.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import types
@@ -37,6 +38,27 @@ class StandInEngine:
         self.finish = {"type": "stop", "matched": 1}
         self.group = None
         self.received: list = []
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = StandInTokenizerManager()
+        self.streamed: list = []  # (rid, input_ids, sampling_params) of every async_generate
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob, rid):
+        """One token (id 5) per millisecond up to max_new_tokens ("length"), or, once
+        ``rid`` is aborted, the tokens so far with SGLang's plain abort reason."""
+        self.streamed.append((rid, list(input_ids), dict(sampling_params)))
+        ids = []
+        while len(ids) < sampling_params["max_new_tokens"] and rid not in self.tokenizer_manager.aborted:
+            await asyncio.sleep(0.001)
+            ids.append(5)
+        reason = (
+            {"type": "abort", "message": "Aborted", "status_code": None}
+            if len(ids) < sampling_params["max_new_tokens"]
+            else {"type": "length", "length": len(ids)}
+        )
+        return {
+            "output_ids": ids,
+            "meta_info": {"output_token_logprobs": [(-0.25, 5)] * len(ids), "finish_reason": reason},
+        }
 
     def begin_weight_update(self):
         if self.session:
@@ -98,6 +120,14 @@ class StandInEngine:
 
     def shutdown(self):
         pass
+
+
+class StandInTokenizerManager:
+    def __init__(self) -> None:
+        self.aborted: set[str] = set()
+
+    def abort_request(self, rid: str = "", abort_all: bool = False):
+        self.aborted.add(rid)
 
 
 @pytest.fixture
@@ -317,3 +347,41 @@ def test_every_cuda_ipc_share_is_opened_by_exactly_one_tp_worker(monkeypatch):
             assert names == [f"t{b}.{i}" for b in range(3) for i in range(2)]
     for buffer in buffers:
         buffer.close()
+
+
+def test_streamed_rows_are_requests_of_their_own_and_come_back_as_groups(engine):
+    from dapo_megatron.rollout.engine import StreamGroup, StreamRow
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
+    engine.stream_add([StreamGroup(7, [1, 2], [StreamRow(11), StreamRow(12)])], params)
+    done = []
+    while not done:
+        done = engine.stream_step(64, version=4)
+    (group,) = done
+    assert [row.token_ids for row in group.rows] == [[5, 5, 5]] * 2
+    assert all(row.finish_reason == "length" and row.versions == [4] * 3 for row in group.rows)
+    seeds = [sampling["sampling_seed"] for _, _, sampling in engine._engine.streamed]
+    assert seeds == [11, 12]  # a row's own seed while it holds no tokens
+
+
+def test_an_abort_hands_back_prefixes_that_continue_as_new_requests(engine):
+    from dapo_megatron.rollout.engine import StreamGroup, StreamRow, continuation_seed
+
+    engine.stream_wait_s = 0.02
+    params = SamplingParams(temperature=1.0, max_new_tokens=10_000)
+    engine.stream_add([StreamGroup(3, [1, 2], [StreamRow(11), StreamRow(12, [9], [-1.0], [0])])], params)
+    assert engine.stream_step(64, version=1) == []
+    (cut,) = engine.stream_abort(version=1)
+    assert all(row.finish_reason is None for row in cut.rows)
+    held = [len(row.token_ids) for row in cut.rows]
+    assert held[0] > 0 and held[1] > 1 and cut.rows[1].token_ids[0] == 9 and cut.rows[1].versions[0] == 0
+    assert all(set(row.versions[1:]) == {1} for row in cut.rows)
+    rids = [rid for rid, _, _ in engine._engine.streamed]
+    assert engine._engine.tokenizer_manager.aborted == set(rids)  # every request in flight, by its own id
+    engine.stream_add([cut], params)
+    assert engine.stream_step(64, version=2) == []  # the requests start on the engine's loop
+    (rid, input_ids, sampling), _ = engine._engine.streamed[2:]
+    assert input_ids == [1, 2] + cut.rows[0].token_ids  # the prompt and the prefix
+    assert sampling["max_new_tokens"] == 10_000 - held[0]
+    assert sampling["sampling_seed"] == continuation_seed(11, held[0]) and rid not in rids
+    engine.stream_abort(version=2)

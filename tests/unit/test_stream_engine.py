@@ -42,7 +42,7 @@ def test_one_chunk_of_whole_responses_samples_what_generate_does(engine):
     assert [row.log_probs for row in rows] == [e.log_probs for e in expected]
     assert [row.finish_reason for row in rows] == [e.finish_reason for e in expected]
     assert all(row.versions == [5] * len(row.token_ids) for row in rows)
-    assert engine.stream_step(4, version=5) == [] and engine.stream_abort() == []
+    assert engine.stream_step(4, version=5) == [] and engine.stream_abort(0) == []
 
 
 def test_groups_come_back_as_they_complete_and_abort_returns_the_rest(engine):
@@ -54,9 +54,9 @@ def test_groups_come_back_as_they_complete_and_abort_returns_the_rest(engine):
             assert group.done  # only whole groups come back
             returned.append(group.key)
         ticks += 1
-    cut = engine.stream_abort()
+    cut = engine.stream_abort(0)
     assert sorted(returned + [g.key for g in cut]) == [0, 1, 2]
-    assert all(not g.done for g in cut) and engine.stream_abort() == []
+    assert all(not g.done for g in cut) and engine.stream_abort(0) == []
     for group in cut:  # at most three chunks of two tokens each, nothing past the abort
         assert all(len(row.token_ids) <= 6 for row in group.rows)
         assert any(row.finish_reason is None for row in group.rows)
@@ -67,7 +67,7 @@ def test_a_partial_response_continues_from_its_exact_prefix_under_new_weights(en
     long = SamplingParams(temperature=1.0, max_new_tokens=20)  # no stop token: every row runs on
     engine.stream_add(groups([PROMPTS[0]], seeds, 4), long)
     assert engine.stream_step(5, version=2) == []
-    (cut,) = engine.stream_abort()
+    (cut,) = engine.stream_abort(0)
     prefix = copy.deepcopy(cut)
     assert all(len(row.token_ids) == 5 and row.versions == [2] * 5 for row in cut.rows)
     torch.manual_seed(1)
