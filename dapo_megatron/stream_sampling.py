@@ -57,6 +57,50 @@ class _Open:
         return new
 
 
+def _running(item: _Open) -> int:
+    """Rows of a group still to generate."""
+    return sum(row.finish_reason is None for row in item.group.rows)
+
+
+def _context(item: _Open) -> int:
+    """Tokens a chunk of the group's running rows reads (its prompt and what they hold)."""
+    g = item.group
+    return sum(len(g.prompt_ids) + len(row.token_ids) for row in g.rows if row.finish_reason is None)
+
+
+def _assign(
+    waiting: list[_Open], load: list[int], context: list[int], capacity: list[int], chunk: int
+) -> list[tuple[_Open, int]]:
+    """Hand waiting groups (from the front of ``waiting``) to engines with room in rows:
+    when every engine is idle and no group holds tokens yet, in contiguous shares engine
+    by engine (as rounds split a round, so that one tick per round samples what rounds
+    do); otherwise each group to the engine with the least work per chunk (rows times
+    ``chunk`` decoded plus the context tokens read again; the lowest index on a tie).
+    ``load`` (rows) and ``context`` (tokens) are updated in place."""
+    assigned = []
+
+    def fits(engine: int) -> bool:
+        return load[engine] == 0 or load[engine] + _running(waiting[0]) <= capacity[engine]
+
+    def give(engine: int) -> None:
+        item = waiting.pop(0)
+        assigned.append((item, engine))
+        load[engine] += _running(item)
+        context[engine] += _context(item)
+
+    if not any(load) and not any(item.group.num_tokens for item in waiting):
+        for engine in range(len(load)):
+            while waiting and fits(engine):
+                give(engine)
+        return assigned
+    while waiting:
+        open_engines = [e for e in range(len(load)) if fits(e)]
+        if not open_engines:
+            break
+        give(min(open_engines, key=lambda e: (load[e] * chunk + context[e], e)))
+    return assigned
+
+
 def _split(total: int, parts: int) -> list[int]:
     base, extra = divmod(total, parts)
     return [base + (1 if index < extra else 0) for index in range(parts)]
@@ -113,14 +157,20 @@ class StreamingSampler:
             c.partial_age_max = max(c.partial_age_max, lag)
         self.partial = []
 
+        # Each engine's load in rows still generating (as it reported after the last
+        # tick, plus rows handed out since): a group whose other rows have finished holds
+        # only its running rows' share of the bound, so engines stay full.
+        n = r.n_samples_per_prompt
+        rows_capacity = [cap * n for cap in capacity]
         load = [0] * num_engines
+        context = [0] * num_engines  # the context tokens of those rows
         open_groups: dict[int, _Open] = {}
         drawn = 0
         self.timeline = []
         phase_start = time.perf_counter()
         while len(kept) < batch_size:
-            free = [cap - used for cap, used in zip(capacity, load)]
-            wanted = sum(max(f, 0) for f in free) - len(waiting)
+            free = sum(max(cap - used, 0) for cap, used in zip(rows_capacity, load))
+            wanted = (free - sum(_running(item) for item in waiting)) // n
             if max_drawn:
                 wanted = min(wanted, max_drawn - drawn)
             if wanted > 0:
@@ -128,23 +178,21 @@ class StreamingSampler:
                 waiting += [self._new_group(step, drawn + i, prompt) for i, prompt in enumerate(prompts)]
                 drawn += len(prompts)
             adds: list[list[StreamGroup]] = [[] for _ in range(num_engines)]
-            for engine in range(num_engines):  # contiguous shares, engine by engine
-                while waiting and load[engine] < capacity[engine]:
-                    item = waiting.pop(0)
-                    item.engine = engine
-                    adds[engine].append(item.group)
-                    open_groups[item.group.key] = item
-                    load[engine] += 1
+            for item, engine in _assign(waiting, load, context, rows_capacity, r.stream_chunk_tokens):
+                item.engine = engine
+                adds[engine].append(item.group)
+                open_groups[item.group.key] = item
             if not open_groups:
                 raise DynamicSamplingExhausted(self._exhausted_message(drawn, c, len(kept)))
             tick_start = time.perf_counter()
             answers = self.engines.stream_tick(adds, self.sampling, r.stream_chunk_tokens)
             wall = time.perf_counter() - tick_start
             times["generate"] = times.get("generate", 0.0) + wall
+            load = [answer["running_rows"] for answer in answers]
+            context = [answer["running_tokens"] for answer in answers]
             completed = sorted((g for answer in answers for g in answer["groups"]), key=lambda g: g.key)
             done = [open_groups.pop(g.key) for g in completed]
             for item, g in zip(done, completed):  # tokens count when their group comes back
-                load[item.engine] -= 1
                 c.generated_tokens += item.back(g)
             self.timeline.append(
                 {"start": tick_start - phase_start, "wall": wall, "busy": [answer["busy_s"] for answer in answers]}

@@ -99,7 +99,8 @@ class EngineWorker:
             groups = self.engine.stream_abort(self.weight_version)
         else:
             groups = self.engine.stream_step(max_tokens, self.weight_version)
-        return {"groups": groups, "busy_s": time.perf_counter() - start}
+        rows, tokens = self.engine.stream_running()
+        return {"groups": groups, "busy_s": time.perf_counter() - start, "running_rows": rows, "running_tokens": tokens}
 
     def set_weight_version(self, version: int) -> None:
         """Record which actor step the weights just synced in come from."""

@@ -307,5 +307,10 @@ class RolloutEngine(abc.ABC):
         ``version``), removed from the engine."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
 
+    def stream_running(self) -> tuple[int, int]:
+        """Rows of the groups in flight still generating, and their context tokens (their
+        prompts' and the tokens they hold)."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Stop processes the engine started."""

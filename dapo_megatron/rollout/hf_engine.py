@@ -293,6 +293,10 @@ class HFRolloutEngine(RolloutEngine):
         self._stream = [group for group in self._stream if not group.done]
         return done
 
+    def stream_running(self) -> tuple[int, int]:
+        running = [(g, row) for g in self._stream for row in g.rows if row.finish_reason is None]
+        return len(running), sum(len(g.prompt_ids) + len(row.token_ids) for g, row in running)
+
     def stream_abort(self, version: int) -> list[StreamGroup]:
         unfinished, self._stream = self._stream, []
         return unfinished

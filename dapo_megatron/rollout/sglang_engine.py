@@ -358,6 +358,11 @@ class SGLangRolloutEngine(RolloutEngine):
         groups, self._stream_groups = list(self._stream_groups.values()), {}
         return groups
 
+    def stream_running(self) -> tuple[int, int]:
+        rows = [self._stream_groups[key].rows[index] for _, key, index in self._stream_tasks.values()]
+        prompts = [len(self._stream_groups[key].prompt_ids) for _, key, _ in self._stream_tasks.values()]
+        return len(rows), sum(prompts) + sum(len(row.token_ids) for row in rows)
+
     def _take_finished(self, version: int, aborting: bool) -> None:
         """Append each finished request's tokens and log-probs to its row; a row our own
         abort cut stays unfinished (its tokens are a prefix to continue)."""
