@@ -122,7 +122,7 @@ def build_workload(work: Path) -> Path:
     return work
 
 
-def run_config(work: Path, out: Path, steps: int, chunk: int = 32, in_flight: int = 0) -> dict:
+def run_config(work: Path, out: Path, steps: int) -> dict:
     return {
         "model": {"hf_config": str(work / "model"), "hf_weights": str(work / "model")},
         "parallel": {"device": "cpu", "num_devices_per_node": 1, "tp_size": 1},
@@ -133,9 +133,6 @@ def run_config(work: Path, out: Path, steps: int, chunk: int = 32, in_flight: in
             "temperature": 1.0,
             "max_prompt_length": 16,
             "max_response_length": MAX_RESPONSE,
-            "stream_chunk_tokens": chunk,
-            "max_prompts_in_flight": in_flight,
-            "max_staleness": 1,
         },
         "algorithm": {
             "overlong_buffer_enable": False,
@@ -219,7 +216,7 @@ def main() -> None:
     )
     steps = args.steps + 1
     total = steps * len(MODES)
-    base = config_from_dict(run_config(work, work / "run", total, args.chunk, args.in_flight), "bench_streaming")
+    base = config_from_dict(run_config(work, work / "run", total), "bench_streaming")
     results: dict = {"length_profile": profile, "modes": {}}
     timeline = None
     with ExitStack() as stack:
@@ -232,8 +229,10 @@ def main() -> None:
         system.sync_engines(0)
         version = 0
         for name, switches in MODES.items():
-            raw = run_config(work, run_dir, total, args.chunk, args.in_flight)
+            raw = run_config(work, run_dir, total)
             raw["rollout"].update(switches)
+            if switches:  # the streaming keys are refused without streaming
+                raw["rollout"].update(stream_chunk_tokens=args.chunk, max_prompts_in_flight=args.in_flight)
             config = config_from_dict(raw, name)
             loader = PromptLoader(train_data, seed=config.data.seed, shuffle=config.data.shuffle)
             stepper = Stepper(system, loader, sampling, tokenizer, version=version, config=config)

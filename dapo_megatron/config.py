@@ -134,12 +134,15 @@ class RolloutConfig:
     aborted. Off: generation in rounds of ``data.gen_batch_size`` prompts, each ending
     with its longest response (docs/performance.md: streamed generation)."""
     max_prompts_in_flight: int = 0
-    """Streaming: prompts generating at once over all engines (shared evenly); 0 =
-    ``data.gen_batch_size`` (or ``data.train_batch_size``). Enough keeps every engine
-    busy; more makes the abort throw away (or carry) more."""
+    """Streaming: how much generates at once over all engines (shared evenly, at least one
+    prompt per engine), in prompts' worth of rows: a group counts by its rows still
+    generating, so a prompt with one straggler row takes 1/n of a place and more prompts
+    than this can be open. 0 = ``data.gen_batch_size`` (or ``data.train_batch_size``).
+    Enough keeps every engine busy; more makes the abort throw away (or carry) more."""
     stream_chunk_tokens: int = 64
     """Streaming, transformers engine: tokens generated per row between two checks
-    (completed groups handed back, new prompts taken, abort). SGLang streams per token."""
+    (completed groups handed back, new prompts taken, abort). SGLang generates each
+    request on its own; a check there waits for the next request to finish."""
     carry_over: bool = False
     """Streaming: kept groups beyond the batch start the next step's batch instead of
     being dropped (at most ``max_staleness`` policy versions old, corrected by
@@ -868,6 +871,21 @@ def _validate_streaming(config: Config, fail) -> None:
             ("rollout.streaming", "trainer.async_generation"),
             "rollout.streaming and trainer.async_generation do not combine (yet): set one of them off; carry_over "
             "and partial_rollout give streaming its own off-policy overlap",
+        )
+    defaults = RolloutConfig()
+    if not r.streaming:
+        for name in ("max_prompts_in_flight", "stream_chunk_tokens"):
+            if getattr(r, name) != getattr(defaults, name):
+                fail(
+                    (f"rollout.{name}", "rollout.streaming"),
+                    f"rollout.{name}={getattr(r, name)} acts only on streamed generation: set "
+                    "rollout.streaming=true, or leave it at its default",
+                )
+    if r.max_staleness != defaults.max_staleness and not (r.carry_over or r.partial_rollout):
+        fail(
+            ("rollout.max_staleness",),
+            f"rollout.max_staleness={r.max_staleness} acts only on carried groups and partial responses: set "
+            "rollout.carry_over or rollout.partial_rollout (with rollout.streaming), or leave it at its default",
         )
     if r.max_prompts_in_flight < 0:
         fail(

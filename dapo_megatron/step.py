@@ -179,11 +179,14 @@ def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
 
     def ask_for_engines(group: ActorGroup) -> None:  # their processes start while the actor's ranks set up
         asked.append(RolloutWorkers(config, start=False, placement_group=group.placement_group))
-        stack.callback(asked[0].shutdown)
+        stack.callback(asked[0].shutdown)  # if the actor's start fails
 
     actor = ActorGroup(config, while_ranks_start=ask_for_engines)
     stack.callback(actor.shutdown)
     engines = asked[0]
+    # The engines stop first: they map the ranks' shared memory, which the ranks' shutdown
+    # removes (an engine unmapping it afterwards aborts with "could not unlink").
+    stack.callback(engines.shutdown)
     stop.check_starting()
     engines.start()
     return System(config, actor, engines, rewards, stop)
@@ -304,6 +307,14 @@ class Stepper:
             if self.config.rollout.streaming
             else None
         )
+        r = self.config.rollout
+        stale = r.streaming and (r.carry_over or r.partial_rollout)
+        if stale and rollout_correction_of(self.config) == "none" and not self.config.algorithm.use_rollout_log_probs:
+            logger.warning(
+                "rollout.carry_over / rollout.partial_rollout train on tokens up to rollout.max_staleness=%d "
+                "versions old, and algorithm.rollout_correction=none leaves them uncorrected (auto: token TIS)",
+                r.max_staleness,
+            )
         self.asynchronous = self.config.trainer.async_generation
         self.version = version  # the actor's weights: the number of steps trained
         self.ahead: Optional[tuple[list[Sample], dict[str, float], dict[str, float]]] = None

@@ -17,11 +17,13 @@ Every token records the weight version that sampled it, as its engine reported; 
 whose oldest token lags the actor by more than ``rollout.max_staleness`` is dropped and
 counted, and the loss corrects the rest by each token's own rollout log-prob (TIS/MIS).
 
-The engines advance in lockstep, a chunk of tokens per tick (SGLang: whatever finished
-meanwhile), and the driver takes each tick's completed groups in key order, so which
-groups are kept, and what a resumed run generates, depend on the data alone, never on
-which engine answered first. What is carried or in flight is part of a checkpoint's
-state (:meth:`StreamingSampler.state_dict`).
+The engines advance in lockstep, a chunk of tokens per tick, and the driver takes each
+tick's completed groups in key order, so on the transformers engine which groups are
+kept, and what a resumed run generates, depend on the data alone, never on which engine
+answered first. SGLang schedules tokens itself: its tick ends when a request finishes
+(or after ``stream_wait_s``), so there which groups complete first, and so the batch,
+depend on timing, and a resumed run continues correctly but not identically. What is
+carried or in flight is part of a checkpoint's state (:meth:`StreamingSampler.state_dict`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ class _Open:
         new = group.num_tokens - self.group.num_tokens
         self.group = group
         return new
+
+
+def _partial_rows(item: _Open) -> int:
+    """Rows of a group cut while generating: unfinished, holding tokens."""
+    return sum(row.finish_reason is None and bool(row.token_ids) for row in item.group.rows)
 
 
 def _running(item: _Open) -> int:
@@ -153,7 +160,7 @@ class StreamingSampler:
                 c.aborted_tokens += item.group.num_tokens
                 continue
             waiting.append(item)
-            c.partial_in += sum(row.finish_reason is None for row in item.group.rows)
+            c.partial_in += _partial_rows(item)
             c.partial_age_max = max(c.partial_age_max, lag)
         self.partial = []
 
@@ -169,8 +176,8 @@ class StreamingSampler:
         self.timeline = []
         phase_start = time.perf_counter()
         while len(kept) < batch_size:
-            free = sum(max(cap - used, 0) for cap, used in zip(rows_capacity, load))
-            wanted = (free - sum(_running(item) for item in waiting)) // n
+            # New prompts for the room in whole groups, after the groups already waiting.
+            wanted = sum(max(cap - used, 0) // n for cap, used in zip(rows_capacity, load)) - len(waiting)
             if max_drawn:
                 wanted = min(wanted, max_drawn - drawn)
             if wanted > 0:
@@ -183,7 +190,7 @@ class StreamingSampler:
                 adds[engine].append(item.group)
                 open_groups[item.group.key] = item
             if not open_groups:
-                raise DynamicSamplingExhausted(self._exhausted_message(drawn, c, len(kept)))
+                raise DynamicSamplingExhausted(self._exhausted_message(drawn, c, len(kept) - c.carried_in))
             tick_start = time.perf_counter()
             answers = self.engines.stream_tick(adds, self.sampling, r.stream_chunk_tokens)
             wall = time.perf_counter() - tick_start
@@ -220,8 +227,13 @@ class StreamingSampler:
                 else:
                     c.aborted_tokens += g.num_tokens
                     c.aborted_groups += 1
-        self.partial += waiting  # partial groups there was no room for (a batch full of carried groups)
+        # Held over to the next step, first: partial groups there was no room for (a batch
+        # full of carried groups) and prompts drawn that no engine had whole-group room for
+        # (their prompts are used, not skipped; they hold no tokens).
+        self.partial += waiting
         phase = time.perf_counter() - phase_start
+        times.setdefault("generate", 0.0)  # a batch of carried groups alone generates nothing
+        times.setdefault("reward", 0.0)
 
         batch_groups, surplus = kept[:batch_size], kept[batch_size:]
         if r.carry_over:
@@ -244,9 +256,14 @@ class StreamingSampler:
 
     def _score_and_filter(self, items: list[_Open], c: _Counts, times) -> list[list[Sample]]:
         """The completed groups as samples, scored; those dynamic sampling keeps."""
-        if not items:
+        groups = []
+        for group in (self._samples_of(item) for item in items):
+            if any(s.finish_reason == "abort" for s in group):  # the engine gave up on it: not scored
+                c.engine_aborted += sum(s.finish_reason == "abort" for s in group)
+                continue
+            groups.append(group)
+        if not groups:
             return []
-        groups = [self._samples_of(item) for item in items]
         flat = [sample for group in groups for sample in group]
         start = time.perf_counter()
         results = self.rewards.score([s.text for s in flat], [s.prompt.ground_truth for s in flat])
@@ -257,9 +274,6 @@ class StreamingSampler:
         c.scored_responses += len(flat)
         kept = []
         for group in groups:
-            if any(s.finish_reason == "abort" for s in group):  # the engine gave up on it
-                c.engine_aborted += sum(s.finish_reason == "abort" for s in group)
-                continue
             c.generated_groups += 1
             outcomes = {s.correct for s in group}
             if len(outcomes) == 1:
@@ -332,9 +346,8 @@ class StreamingSampler:
             "stream/carried_age_max": float(c.carried_age_max),
             "stream/dropped_stale_groups": float(c.dropped_stale_groups + c.dropped_stale_partial),
             "stream/partial_in_responses": float(c.partial_in),
-            "stream/partial_out_responses": float(
-                sum(row.finish_reason is None for item in self.partial for row in item.group.rows)
-            ),
+            "stream/partial_out_responses": float(sum(_partial_rows(item) for item in self.partial)),
+            "stream/held_over_groups": float(len(self.partial)),
             "stream/partial_out_tokens": float(sum(item.group.num_tokens for item in self.partial)),
             "stream/partial_age_max": float(c.partial_age_max),
             "stream/version_spread": float(max(versions) - min(versions)) if versions else 0.0,

@@ -311,6 +311,9 @@ RESUME_KEYS = (
     "rollout.streaming",
     "rollout.carry_over",
     "rollout.partial_rollout",
+    "rollout.max_prompts_in_flight",
+    "rollout.stream_chunk_tokens",
+    "rollout.max_staleness",
 )
 """Settings the saved data position and batches depend on: a resume must keep them."""
 

@@ -89,9 +89,13 @@ class EngineWorker:
 
     def stream(self, add: list[StreamGroup], params: SamplingParams, max_tokens: int, abort: bool) -> dict:
         """One tick of streamed generation: take the groups in ``add``, then advance what is
-        in flight by a chunk of up to ``max_tokens`` tokens (stamped with this worker's
-        weight version) and hand back the groups that completed, or, with ``abort``, stop
-        and hand back everything unfinished. ``busy_s``: the seconds this engine worked."""
+        in flight (the transformers engine: a chunk of up to ``max_tokens`` tokens per row;
+        SGLang: until a request finishes) with tokens stamped with this worker's weight
+        version, and hand back the groups that completed, or, with ``abort``, stop and hand
+        back everything unfinished. ``busy_s``: the seconds this call took (on SGLang that
+        includes waiting for a request to finish, and generation goes on between calls);
+        ``running_rows``: the engine's rows still generating; ``running_tokens``: their
+        prompts' and tokens so far (the context a chunk reads)."""
         start = time.perf_counter()
         if add:
             self.engine.stream_add(add, params)
@@ -339,7 +343,9 @@ class RolloutWorkers:
         return call_all([self.engines[index].served_weights.remote()], "a rollout engine", [self.names[index]])[0]
 
     def shutdown(self) -> None:
-        stop_all(self.engines, "rollout engine")
+        """Stop every engine (a second call does nothing)."""
+        engines, self.engines = self.engines, []
+        stop_all(engines, "rollout engine")
 
 
 def engine_shares(num_prompts: int, num_engines: int, params: SamplingParams, n: int) -> list:

@@ -86,7 +86,7 @@ def sampling_seeds(seed: int, step: int, round_index: int, num_prompts: int, n: 
 def continuation_seed(seed: int, length: int) -> int:
     """The sampling seed of a streamed row with seed ``seed`` once it holds ``length``
     tokens (``seed`` itself while it holds none): a continuation, after an abort or a
-    chunk, samples from a seed of its own that the row's tokens so far determine."""
+    chunk, samples from a seed of its own, set by the row's seed and its token count."""
     return seed if length == 0 else _mix63(seed ^ (length * 0x9E3779B97F4A7C15))
 
 
@@ -123,8 +123,9 @@ class StreamRow:
     """One response of a streamed group, as far as it has been generated."""
 
     seed: int
-    """Its sampling seed (from :func:`sampling_seeds`); a continuation derives the seed
-    of each later chunk from it and the tokens already there."""
+    """Its sampling seed (from :func:`sampling_seeds`; :func:`continuation_seed` once it
+    holds tokens). SGLang samples each row with its own; the transformers engine seeds a
+    whole chunk's ``generate`` call with its first running row's."""
     token_ids: list[int] = field(default_factory=list)
     """The tokens sampled so far (the stop token included once it stopped on one)."""
     log_probs: list[float] = field(default_factory=list)

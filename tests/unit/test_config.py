@@ -464,7 +464,13 @@ def test_rollout_correction_settings_are_checked(tmp_path):
         (["rollout.partial_rollout=true"], "rollout.partial_rollout=true works on streamed generation"),
         (["rollout.streaming=true", "trainer.async_generation=true"], "do not combine"),
         (["rollout.streaming=true", "rollout.max_prompts_in_flight=-1"], "rollout.max_prompts_in_flight=-1"),
-        (["rollout.stream_chunk_tokens=0"], "rollout.stream_chunk_tokens=0 must be at least 1"),
+        (
+            ["rollout.streaming=true", "rollout.stream_chunk_tokens=0"],
+            "rollout.stream_chunk_tokens=0 must be at least 1",
+        ),
+        (["rollout.stream_chunk_tokens=8"], "rollout.stream_chunk_tokens=8 acts only on streamed generation"),
+        (["rollout.max_prompts_in_flight=8"], "rollout.max_prompts_in_flight=8 acts only on streamed generation"),
+        (["rollout.streaming=true", "rollout.max_staleness=3"], "rollout.max_staleness=3 acts only on carried"),
         (
             ["rollout.streaming=true", "rollout.carry_over=true", "rollout.max_staleness=0"],
             "rollout.max_staleness=0 must be >= 1",
