@@ -190,3 +190,20 @@ def test_the_state_resumes_exactly_with_carried_and_partial_groups_in_flight(tin
         fresh = _sampler(config, engines, rewards)  # negative control: without the state
         fresh.loader.load_state_dict(first.loader.state_dict())
         assert [_rows(fresh.collect(step, 0, {})[0]) for step in (2, 3)] != expected[1:]
+
+
+def test_a_batch_that_cannot_be_filled_stops_at_the_bound_on_prompts_drawn(tiny_model, tmp_path):
+    """Every answer right: every group agrees, none is kept; the step stops after
+    max_num_gen_batches x gen_batch_size prompts with the rounds' actionable message."""
+    raw = run_config(tiny_model, tmp_path / "run")
+    raw["rollout"].update(streaming=True, stream_chunk_tokens=3, num_engines=2)
+    raw["algorithm"].update(reward_fn="tests.e2e.rewards:always_right", max_num_gen_batches=2)
+    config = config_from_dict(raw, "e2e")
+    with _parts(config, tmp_path / "run") as (engines, rewards):
+        sampler = _sampler(config, engines, rewards)
+        with pytest.raises(stream_sampling.DynamicSamplingExhausted) as info:
+            sampler.collect(1, 0, {})
+        message = str(info.value)
+        assert "8 prompts were drawn" in message and "algorithm.max_num_gen_batches=2" in message
+        assert "0 kept" in message and "Raise algorithm.max_num_gen_batches" in message
+        assert sampler.loader.state_dict()["position"] == 8  # exactly the bound, not a prompt more

@@ -99,3 +99,24 @@ def test_a_response_stops_at_its_limit_even_inside_a_chunk(engine):
     assert engine.stream_step(4, version=0) == []
     (done,) = engine.stream_step(4, version=0)
     assert all(len(row.token_ids) == 7 and row.finish_reason == "length" for row in done.rows)
+
+
+def test_groups_go_in_contiguous_shares_when_all_is_idle_then_to_the_least_busy_engine():
+    from dapo_megatron.data import Prompt
+    from dapo_megatron.stream_sampling import _assign, _Open
+
+    def item(key, tokens=0):
+        rows = [StreamRow(key * 10 + i, [5] * tokens, [-1.0] * tokens, [0] * tokens) for i in range(2)]
+        return _Open(Prompt(key, (1, 2), "3", "demo", "1+2="), -1, StreamGroup(key, [1, 2], rows))
+
+    waiting = [item(k) for k in range(5)]
+    load, context = [0, 0], [0, 0]
+    assigned = _assign(waiting, load, context, [4, 4], chunk=8)
+    assert [(i.group.key, e) for i, e in assigned] == [(0, 0), (1, 0), (2, 1), (3, 1)]  # as rounds split
+    assert [i.group.key for i in waiting] == [4] and load == [4, 4]
+    # Busy engines: the one with less work per chunk (rows x chunk + context) gets the group.
+    waiting = [item(7, tokens=30), item(8)]
+    load, context = [2, 2], [10, 80]
+    assigned = _assign(waiting, load, context, [6, 6], chunk=8)
+    assert [(i.group.key, e) for i, e in assigned] == [(7, 0), (8, 1)]
+    assert load == [4, 4] and context == [10 + 2 * 32, 80 + 2 * 2]
