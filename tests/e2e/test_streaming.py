@@ -92,14 +92,16 @@ def test_streaming_with_one_tick_per_round_samples_the_rounds_batches(tiny_model
 
 @pytest.mark.parametrize("sort_arrivals", [True, False])
 def test_a_stream_out_of_order_trains_the_same_groups(tiny_model, tmp_path, monkeypatch, sort_arrivals):
-    config = _config(tiny_model, tmp_path / "run", carry_over=True, partial_rollout=True)
+    # Chunks as long as a response: every group in flight completes in the same tick, so
+    # the order they are taken in decides which fill the batch and which are carried.
+    config = _config(tiny_model, tmp_path / "run", carry_over=True, stream_chunk_tokens=12, max_prompts_in_flight=6)
     with _parts(config, tmp_path / "run") as (engines, rewards):
         in_order = _sampler(config, engines, rewards)
-        batches = [_rows(in_order.collect(step, 0, {})[0]) for step in (1, 2)]
+        batches = [_rows(in_order.collect(step, 0, {})[0]) for step in (1, 2, 3)]
         if not sort_arrivals:  # negative control: take groups in the order they arrive
             monkeypatch.setattr(stream_sampling, "sorted", lambda groups, key: list(groups), raising=False)
         reordered = _sampler(config, Reordered(engines), rewards)
-        again = [_rows(reordered.collect(step, 0, {})[0]) for step in (1, 2)]
+        again = [_rows(reordered.collect(step, 0, {})[0]) for step in (1, 2, 3)]
         assert (again == batches) == sort_arrivals
 
 
@@ -123,10 +125,15 @@ def test_carried_groups_are_trained_once_with_measured_staleness(tiny_model, tmp
             carried_any |= bool(carried)
         assert carried_any and len(trained) == len(set(trained))  # no group twice
         # Too old: skip a version; the carried groups are dropped, counted, never trained.
+        step, version = 5, 4
+        while not sampler.carried and step < 12:  # until a step carries some over
+            engines.set_weight_version(version)
+            sampler.collect(step, version, {})
+            step, version = step + 1, version + 1
         carried = [s.group_id for group in sampler.carried for s in group[:1]]
         assert carried
-        engines.set_weight_version(5)
-        samples, metrics = sampler.collect(5, 5, {})
+        engines.set_weight_version(version + 1)
+        samples, metrics = sampler.collect(step, version + 1, {})
         assert metrics["stream/dropped_stale_groups"] == len(carried)
         assert not {s.group_id for s in samples} & set(carried)
 
