@@ -857,6 +857,12 @@ def _validate_algorithm(config: Config, fail) -> None:
         )
 
 
+def carries_over(rollout: RolloutConfig) -> bool:
+    """Whether streamed generation trains tokens of earlier policies: carried groups or
+    partial responses (both need ``rollout.streaming``, which validation checks)."""
+    return rollout.carry_over or rollout.partial_rollout
+
+
 def _validate_streaming(config: Config, fail) -> None:
     """Streamed generation's switches against each other and the other modes."""
     r = config.rollout
@@ -881,7 +887,7 @@ def _validate_streaming(config: Config, fail) -> None:
                     f"rollout.{name}={getattr(r, name)} acts only on streamed generation: set "
                     "rollout.streaming=true, or leave it at its default",
                 )
-    if r.max_staleness != defaults.max_staleness and not (r.carry_over or r.partial_rollout):
+    if r.max_staleness != defaults.max_staleness and not carries_over(r):
         fail(
             ("rollout.max_staleness",),
             f"rollout.max_staleness={r.max_staleness} acts only on carried groups and partial responses: set "
@@ -892,7 +898,7 @@ def _validate_streaming(config: Config, fail) -> None:
             ("rollout.max_prompts_in_flight",),
             f"rollout.max_prompts_in_flight={r.max_prompts_in_flight} must be >= 0 (0 = data.gen_batch_size)",
         )
-    if r.max_staleness < 1 and (r.carry_over or r.partial_rollout):
+    if r.max_staleness < 1 and carries_over(r):
         fail(
             ("rollout.max_staleness",),
             f"rollout.max_staleness={r.max_staleness} must be >= 1 with carry_over or partial_rollout (what is "
@@ -905,7 +911,7 @@ def rollout_correction_of(config: Config) -> str:
     a = config.algorithm
     if a.rollout_correction != "auto":
         return a.rollout_correction
-    off_policy = config.trainer.async_generation or config.rollout.carry_over or config.rollout.partial_rollout
+    off_policy = config.trainer.async_generation or carries_over(config.rollout)
     return "tis" if off_policy and not a.use_rollout_log_probs else "none"
 
 

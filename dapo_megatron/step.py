@@ -30,7 +30,7 @@ from dapo_megatron.algo import DynamicSamplingAccumulator
 from dapo_megatron.algo.metrics import rollout_consistency
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.algo.rollout_correction import correction_weights, mismatch_metrics
-from dapo_megatron.config import Config, ConfigError, hf_weights_folder, rollout_correction_of
+from dapo_megatron.config import Config, ConfigError, carries_over, hf_weights_folder, rollout_correction_of
 from dapo_megatron.data import (
     PromptDataset,
     PromptLoader,
@@ -237,8 +237,7 @@ def check_staleness(samples: list[Sample], version: int, step: int, max_lag: int
 def allowed_staleness(config: Config) -> int:
     """The most versions a trained sample may lag the actor: ``rollout.max_staleness``
     when streamed generation carries groups or partial responses over, else 1."""
-    r = config.rollout
-    return r.max_staleness if r.streaming and (r.carry_over or r.partial_rollout) else 1
+    return config.rollout.max_staleness if carries_over(config.rollout) else 1
 
 
 class GenerationAheadFailed(RuntimeError):
@@ -308,8 +307,11 @@ class Stepper:
             else None
         )
         r = self.config.rollout
-        stale = r.streaming and (r.carry_over or r.partial_rollout)
-        if stale and rollout_correction_of(self.config) == "none" and not self.config.algorithm.use_rollout_log_probs:
+        if (
+            carries_over(r)
+            and rollout_correction_of(self.config) == "none"
+            and not self.config.algorithm.use_rollout_log_probs
+        ):
             logger.warning(
                 "rollout.carry_over / rollout.partial_rollout train on tokens up to rollout.max_staleness=%d "
                 "versions old, and algorithm.rollout_correction=none leaves them uncorrected (auto: token TIS)",

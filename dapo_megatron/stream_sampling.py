@@ -191,35 +191,17 @@ class StreamingSampler:
                 open_groups[item.group.key] = item
             if not open_groups:
                 raise DynamicSamplingExhausted(self._exhausted_message(drawn, c, len(kept) - c.carried_in))
-            tick_start = time.perf_counter()
-            answers = self.engines.stream_tick(adds, self.sampling, r.stream_chunk_tokens)
-            wall = time.perf_counter() - tick_start
-            times["generate"] = times.get("generate", 0.0) + wall
+            answers, completed = self._tick(adds, r.stream_chunk_tokens, False, phase_start, times)
             load = [answer["running_rows"] for answer in answers]
             context = [answer["running_tokens"] for answer in answers]
-            completed = sorted((g for answer in answers for g in answer["groups"]), key=lambda g: g.key)
             done = [open_groups.pop(g.key) for g in completed]
             for item, g in zip(done, completed):  # tokens count when their group comes back
                 c.generated_tokens += item.back(g)
-            self.timeline.append(
-                {"start": tick_start - phase_start, "wall": wall, "busy": [answer["busy_s"] for answer in answers]}
-            )
             kept += self._score_and_filter(done, c, times)
 
         if open_groups:  # the batch is full: stop what is still generating
-            tick_start = time.perf_counter()
-            answers = self.engines.stream_tick([[] for _ in range(num_engines)], self.sampling, 0, abort=True)
-            wall = time.perf_counter() - tick_start
-            times["generate"] = times.get("generate", 0.0) + wall
-            self.timeline.append(
-                {
-                    "start": tick_start - phase_start,
-                    "wall": wall,
-                    "busy": [answer["busy_s"] for answer in answers],
-                    "abort": True,
-                }
-            )
-            for g in sorted((g for answer in answers for g in answer["groups"]), key=lambda g: g.key):
+            _, cut = self._tick([[] for _ in range(num_engines)], 0, True, phase_start, times)
+            for g in cut:
                 item = open_groups.pop(g.key)
                 c.generated_tokens += item.back(g)
                 if r.partial_rollout:
@@ -241,6 +223,20 @@ class StreamingSampler:
         batch = [sample for group in batch_groups for sample in group]
         c.kept_new = len(kept) - c.carried_in
         return batch, self._metrics(batch, c, drawn, per_round, len(surplus), phase, times)
+
+    def _tick(
+        self, adds: list[list[StreamGroup]], max_tokens: int, abort: bool, phase_start: float, times: dict
+    ) -> tuple[list[dict], list[StreamGroup]]:
+        """One tick on every engine (:meth:`RolloutWorkers.stream_tick`), timed into
+        ``times['generate']`` and the timeline; the engines' answers and the groups they
+        handed back, in key order (whichever engine answered first)."""
+        start = time.perf_counter()
+        answers = self.engines.stream_tick(adds, self.sampling, max_tokens, abort=abort)
+        wall = time.perf_counter() - start
+        times["generate"] = times.get("generate", 0.0) + wall
+        tick = {"start": start - phase_start, "wall": wall, "busy": [answer["busy_s"] for answer in answers]}
+        self.timeline.append({**tick, "abort": True} if abort else tick)
+        return answers, sorted((g for answer in answers for g in answer["groups"]), key=lambda g: g.key)
 
     def _new_group(self, step: int, index: int, prompt: Prompt) -> _Open:
         """Draw ``index`` of ``step``: its rows seeded as generation round ``index //
