@@ -269,7 +269,16 @@ class TrainerConfig:
     num_steps: int = 1000
     """Rollout steps to run."""
     micro_batch_max_tokens: int = 32768
-    """Token budget of one micro-batch; responses are packed up to it."""
+    """Token budget of one micro-batch: the tokens of its packed row (``pack_sequences``),
+    or its rows x its longest row (padded rows)."""
+    pack_sequences: bool = True
+    """Pack several sequences (prompt + response) into one row of up to
+    ``micro_batch_max_tokens`` tokens, each attending only to itself and its positions
+    restarting at 0 (a block-diagonal causal mask on the CPU, Transformer Engine's THD
+    format on a GPU), for both the log-prob pass and the updates; false: one sequence per
+    row, rows padded to the longest. The log-probs and gradients are the same either way
+    (within float rounding); packing removes most of the padding the actor computes
+    (``actor/padding_share`` beside ``actor/padding_share_unpacked``)."""
     lr: float = 1e-6
     """Peak learning rate of Adam."""
     lr_warmup_steps: int = 20

@@ -624,6 +624,8 @@ def _update_metrics(all_updates: list[dict[str, float]]) -> dict[str, float]:
         "actor/updates_skipped": sum(u["update_skipped"] for u in updates),
         "actor/nonfinite_updates": sum(u.get("nonfinite", 0.0) for u in updates),
         "actor/tokens": float(tokens),
+        "actor/padding_share": all_updates[0]["padding_share"],
+        "actor/padding_share_unpacked": all_updates[0]["padding_share_unpacked"],
     }
 
 

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from dapo_megatron.actor.packing import round_up
+
 
 @dataclass
 class PolicyBatch:
@@ -158,7 +160,7 @@ def plan_micro_batches(seq_lengths: list[int], max_tokens: int, pad_multiple: in
     current: list[int] = []
     longest = 0
     for index in order:
-        length = _round_up(seq_lengths[index], pad_multiple)
+        length = round_up(seq_lengths[index], pad_multiple)
         if length > max_tokens:
             raise ValueError(
                 f"a sequence of {seq_lengths[index]} tokens does not fit trainer.micro_batch_max_tokens={max_tokens}"
@@ -172,10 +174,6 @@ def plan_micro_batches(seq_lengths: list[int], max_tokens: int, pad_multiple: in
     if current:
         plans.append(current)
     return plans
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def data_parallel_rows(batch: PolicyBatch, dp_rank: int, dp_size: int, num_mini_batches: int = 1) -> list[int]:

@@ -26,11 +26,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.actor import packing
 from dapo_megatron.actor.batch import PolicyBatch, plan_micro_batches, sequence_pad_multiple
+from dapo_megatron.actor.packing import round_up
 from dapo_megatron.actor.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from dapo_megatron.algo.loss import dapo_policy_loss
 from dapo_megatron.config import AlgorithmConfig, ModelConfig, ParallelConfig, TrainerConfig, padded_vocab_size
-from dapo_megatron.models.gpt import build_model, output_weight, params_dtype
+from dapo_megatron.models.gpt import build_model, output_weight, params_dtype, use_transformer_engine
 from dapo_megatron.runtime.distributed import RuntimeInfo
 
 logger = logging.getLogger(__name__)
@@ -53,16 +55,30 @@ _SUM_KEYS = (
 
 @dataclass
 class _MicroBatch:
-    """One micro-batch as the forward step consumes it."""
+    """One micro-batch as the forward step consumes it.
 
-    rows: torch.Tensor  # [b] indices into the mini-batch
-    tokens: torch.Tensor  # [b, L]
+    ``tokens`` is what the model runs: padded rows, one sequence each, or packed rows
+    (``actor/packing.py``). The per-token tensors of the loss are on the micro-batch's
+    *sequence grid*, one sequence per row in the order of ``rows``; unpacked, that is the
+    token grid itself."""
+
+    rows: torch.Tensor  # [n] indices into the mini-batch of the sequences, in grid order
+    tokens: torch.Tensor  # [b, L] what the model runs
     position_ids: torch.Tensor  # [b, L]
-    loss_mask: torch.Tensor  # [b, L] float, label grid
-    old_log_probs: Optional[torch.Tensor]  # [b, L]
-    advantages: Optional[torch.Tensor]  # [b]
-    token_weights: Optional[torch.Tensor] = None  # [b, L] the rollout correction's, or None
-    ref_log_probs: Optional[torch.Tensor] = None  # [b, L] the reference policy's (KL penalty), or None
+    loss_mask: torch.Tensor  # [n, W] float, label grid of each sequence
+    old_log_probs: Optional[torch.Tensor]  # [n, W]
+    advantages: Optional[torch.Tensor]  # [n]
+    token_weights: Optional[torch.Tensor] = None  # [n, W] the rollout correction's, or None
+    ref_log_probs: Optional[torch.Tensor] = None  # [n, W] the reference policy's (KL penalty), or None
+    token_loss_mask: Optional[torch.Tensor] = None  # [b, L] the loss tokens on the token grid (packed only)
+    attention_mask: Optional[torch.Tensor] = None  # [b, 1, L, L] True = masked (packed, local spec)
+    packed_seq_params: object = None  # megatron's PackedSeqParams (packed, Transformer Engine)
+    sequence_tokens: int = 0  # tokens of the sequences (the rest of tokens is padding)
+
+    @property
+    def input_loss_mask(self) -> torch.Tensor:
+        """The loss tokens on the token grid (``tokens``'s)."""
+        return self.loss_mask if self.token_loss_mask is None else self.token_loss_mask
 
 
 class MegatronActor:
@@ -95,6 +111,8 @@ class MegatronActor:
         self.runtime = runtime
         self.device = runtime.device
         self.gpt = build_model(model, parallel, self.device.type, output_logits=False)
+        self.use_te = use_transformer_engine(model, self.device.type)
+        dtype = params_dtype(model, self.device.type)
         self.ddp = DistributedDataParallel(
             self.gpt.config,
             DistributedDataParallelConfig(
@@ -103,9 +121,8 @@ class MegatronActor:
                 use_distributed_optimizer=parallel.use_distributed_optimizer,
                 average_in_collective=False,
             ),
-            self.gpt,
+            self._mixed_precision(self.gpt),
         )
-        dtype = params_dtype(model, self.device.type)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -156,11 +173,12 @@ class MegatronActor:
         self.hf_export_buffers: dict[str, torch.Tensor] = {}
         # The KL penalty's reference policy: the same model, frozen (no gradients, no DDP
         # buffers, no optimizer state), given the run's initial weights by the caller.
-        self.reference = None
+        self.reference = self.reference_module = None
         if algorithm.use_kl_loss:
             self.reference = build_model(model, parallel, self.device.type, output_logits=False)
             self.reference.requires_grad_(False)
             self.reference.eval()
+            self.reference_module = self._mixed_precision(self.reference)
         # Routing metrics and the load-balancing loss's scale (mixture-of-experts only).
         self.routing = None
         if config.num_moe_experts:
@@ -172,6 +190,19 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ internals
 
+    def _mixed_precision(self, gpt):
+        """``gpt`` as the schedule runs it: under megatron's ``Float16Module`` when its
+        parameters are bf16 (bf16 weights and activations, hidden states handed back in
+        fp32 by the last stage), as megatron's own training wraps it; as it is in fp32.
+        With packed sequences, its RoPE is taken at the position ids (``actor/packing.py``)."""
+        if self.trainer.pack_sequences and not self.use_te:
+            packing.rope_at_position_ids(gpt)
+        if gpt.config.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            return Float16Module(gpt.config, gpt)
+        return gpt
+
     @staticmethod
     def _finalize_grads(model, num_tokens=None, **kwargs):
         """megatron's grad finalisation (DP reduce, embedding and norm sync) without its
@@ -181,42 +212,89 @@ class MegatronActor:
         return finalize_model_grads(model, num_tokens=None, **kwargs)
 
     def _micro_batches(self, batch: PolicyBatch) -> list[_MicroBatch]:
+        if self.trainer.pack_sequences:
+            return self._packed_micro_batches(batch)
         plans = plan_micro_batches(batch.seq_lengths.tolist(), self.trainer.micro_batch_max_tokens, self.pad_multiple)
+        micro = []
+        for rows in plans:
+            index = torch.tensor(rows, dtype=torch.long)
+            width = round_up(int(batch.seq_lengths[index].max()), self.pad_multiple)
+            tokens = torch.zeros(len(rows), width, dtype=torch.long)
+            used = min(width, batch.tokens.shape[1])
+            tokens[:, :used] = batch.tokens[index, :used]
+            micro.append(
+                _MicroBatch(
+                    tokens=tokens.to(self.device),
+                    position_ids=torch.arange(width).expand(len(rows), width).to(self.device),
+                    sequence_tokens=int(batch.seq_lengths[index].sum()),
+                    **self._sequence_grids(batch, index, width),
+                )
+            )
+        return micro
+
+    def _packed_micro_batches(self, batch: PolicyBatch) -> list[_MicroBatch]:
+        """One packed row per micro-batch (``actor/packing.py``); the loss tensors on the
+        sequence grid, as wide as the longest sequence of the row."""
+        lengths = batch.seq_lengths.tolist()
+        plans = packing.plan_packed_micro_batches(lengths, self.trainer.micro_batch_max_tokens, self.pad_multiple)
         mask = batch.response_mask()
         micro = []
         for rows in plans:
             index = torch.tensor(rows, dtype=torch.long)
-            width = -(-int(batch.seq_lengths[index].max()) // self.pad_multiple) * self.pad_multiple
-            tokens = torch.zeros(len(rows), width, dtype=torch.long)
-            used = min(width, batch.tokens.shape[1])
-            tokens[:, :used] = batch.tokens[index, :used]
-            loss_mask = torch.zeros(len(rows), width)
-            loss_mask[:, :used] = mask[index, :used]
-            old = weights = ref = None
-            if batch.old_log_probs is not None:
-                old = torch.zeros(len(rows), width)
-                old[:, :used] = batch.old_log_probs[index, :used].float()
-            if batch.token_weights is not None:
-                weights = torch.zeros(len(rows), width)
-                weights[:, :used] = batch.token_weights[index, :used].float()
-            if batch.ref_log_probs is not None:
-                ref = torch.zeros(len(rows), width)
-                ref[:, :used] = batch.ref_log_probs[index, :used].float()
+            width = round_up(sum(lengths[i] for i in rows), self.pad_multiple)
+            segments = packing.segments_of([lengths[i] for i in rows], width)
+            tokens = torch.zeros(1, width, dtype=torch.long)
+            token_loss_mask = torch.zeros(1, width)
+            start = 0
+            for i in rows:
+                tokens[0, start : start + lengths[i]] = batch.tokens[i, : lengths[i]]
+                token_loss_mask[0, start : start + lengths[i]] = mask[i, : lengths[i]]
+                start += lengths[i]
+            attention_mask = params = None
+            if self.use_te:
+                params = packing.packed_seq_params(segments, self.device)
+            else:
+                attention_mask = packing.block_causal_mask(segments).to(self.device)
             micro.append(
                 _MicroBatch(
-                    rows=index,
                     tokens=tokens.to(self.device),
-                    position_ids=torch.arange(width).expand(len(rows), width).to(self.device),
-                    loss_mask=loss_mask.to(self.device),
-                    old_log_probs=old.to(self.device) if old is not None else None,
-                    advantages=batch.advantages[index].float().to(self.device)
-                    if batch.advantages is not None
-                    else None,
-                    token_weights=weights.to(self.device) if weights is not None else None,
-                    ref_log_probs=ref.to(self.device) if ref is not None else None,
+                    position_ids=packing.segment_position_ids(segments)[None].to(self.device),
+                    token_loss_mask=token_loss_mask.to(self.device),
+                    attention_mask=attention_mask,
+                    packed_seq_params=params,
+                    sequence_tokens=start,
+                    **self._sequence_grids(batch, index, max(lengths[i] for i in rows)),
                 )
             )
         return micro
+
+    def _sequence_grids(self, batch: PolicyBatch, index: torch.Tensor, width: int) -> dict:
+        """The loss tensors of ``batch``'s rows ``index``, ``width`` columns wide (zeros
+        beyond the batch's own grid), on the actor's device."""
+        used = min(width, batch.tokens.shape[1])
+
+        def grid(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if values is None:
+                return None
+            out = torch.zeros(len(index), width)
+            out[:, :used] = values[index, :used].float()
+            return out.to(self.device)
+
+        return {
+            "rows": index,
+            "loss_mask": grid(batch.response_mask()),
+            "old_log_probs": grid(batch.old_log_probs),
+            "advantages": batch.advantages[index].float().to(self.device) if batch.advantages is not None else None,
+            "token_weights": grid(batch.token_weights),
+            "ref_log_probs": grid(batch.ref_log_probs),
+        }
+
+    def _forward(self, model, gpt, mb: _MicroBatch) -> torch.Tensor:
+        """``model`` (the wrapped ``gpt``) on ``mb``'s tokens: hidden states ``[b, L, h]``."""
+        if mb.packed_seq_params is not None:
+            return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+        packing.set_rope_positions(gpt, mb.position_ids if mb.token_loss_mask is not None else None)
+        return model(mb.tokens, mb.position_ids, mb.attention_mask)
 
     def _update_micro_batches(self, batch: PolicyBatch, num_mini_batches: int) -> list[list[_MicroBatch]]:
         """The micro-batches of each of ``batch``'s ``num_mini_batches`` mini-batches, with
@@ -256,6 +334,7 @@ class MegatronActor:
                 micro.append(
                     _MicroBatch(
                         rows=torch.zeros(0, dtype=torch.long),
+                        sequence_tokens=0,
                         tokens=torch.zeros(1, width, dtype=torch.long, device=self.device),
                         position_ids=torch.arange(width, device=self.device).expand(1, width),
                         loss_mask=torch.zeros(1, width, device=self.device),
@@ -269,12 +348,20 @@ class MegatronActor:
     def _log_probs_and_entropy(self, hidden: torch.Tensor, micro: _MicroBatch, temperature: float, gpt=None):
         """Label-grid ``[b, L]`` log-probs and entropies at the loss tokens of ``micro``
         (projected with ``gpt``'s output weight: the policy's by default)."""
-        selected = micro.loss_mask[:, 1:].bool()  # positions 1.. are predicted from 0..
-        states = hidden[:, :-1][selected]  # [n, h]
-        targets = micro.tokens[:, 1:][selected]
+        # Positions 1.. are predicted from 0..; packed, the first token of a sequence is
+        # a prompt token, never a loss token, so no prediction crosses a boundary. The
+        # loss tokens are enumerated in the same order on the token grid and on the
+        # sequence grid (sequence by sequence, in the row's order).
+        inputs = micro.input_loss_mask[:, 1:].bool()
+        states = hidden[:, :-1][inputs]  # [n, h]
+        targets = micro.tokens[:, 1:][inputs]
+        selected = micro.loss_mask[:, 1:].bool()
+        weight = output_weight(gpt if gpt is not None else self.gpt)
+        # bf16: the last stage's Float16Module hands back fp32 copies of bf16 hidden
+        # states; back in bf16 (exactly), the projection is the output layer's.
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
-            states,
-            output_weight(gpt if gpt is not None else self.gpt),
+            states.to(weight.dtype),
+            weight,
             targets,
             vocab_size=self.model_config.vocab_size,
             vocab_start=self.vocab_start,
@@ -342,8 +429,8 @@ class MegatronActor:
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
             if routing is not None:
-                routing.micro_batch(next(index), mb.tokens, mb.loss_mask, filler=mb.rows.numel() == 0)
-            hidden = model(mb.tokens, mb.position_ids, None)
+                routing.micro_batch(next(index), mb.tokens, mb.input_loss_mask, filler=mb.rows.numel() == 0)
+            hidden = self._forward(model, gpt if gpt is not None else self.gpt, mb)
 
             def loss_func(output):
                 log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature, gpt)
@@ -356,7 +443,9 @@ class MegatronActor:
 
             return hidden, loss_func
 
-        outputs = self._run_schedule(micro, forward_step, forward_only=True, model=gpt)
+        outputs = self._run_schedule(
+            micro, forward_step, forward_only=True, model=self.reference_module if reference else None
+        )
         if self.routing is not None:
             from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
@@ -420,6 +509,7 @@ class MegatronActor:
                 f"{vocab_size} ids"
             )
         planned = self._update_micro_batches(batch, num_mini_batches)
+        padding = self._padding_shares(batch, num_mini_batches, planned)
         self.scheduler.step(1)
         self.rollout_step += 1
         metrics = []
@@ -432,7 +522,29 @@ class MegatronActor:
             else:
                 metrics.append(self._update(micro, num_tokens, num_seqs, temperature, first))
             first += len(micro)
+        for update in metrics:
+            update.update(padding)
         return metrics
+
+    def _padding_shares(self, batch: PolicyBatch, num_mini_batches: int, planned) -> dict[str, float]:
+        """The share of padding in the tokens the actor runs for ``batch`` (over every
+        data-parallel rank): as planned (``padding_share``), and as padded rows of one
+        sequence each would have it (``padding_share_unpacked``)."""
+        run = sum(mb.tokens.numel() for micro in planned for mb in micro)
+        unpacked = 0
+        for mini in batch.split(num_mini_batches):
+            lengths = mini.seq_lengths.tolist()
+            for rows in plan_micro_batches(lengths, self.trainer.micro_batch_max_tokens, self.pad_multiple):
+                unpacked += len(rows) * round_up(max(lengths[i] for i in rows), self.pad_multiple)
+        totals = torch.tensor(
+            [float(batch.seq_lengths.sum()), float(run), float(unpacked)], dtype=torch.float64, device=self.device
+        )
+        dist.all_reduce(totals, group=self.dp_group)
+        real, run, unpacked = totals.tolist()
+        return {
+            "padding_share": 1.0 - real / run if run else 0.0,
+            "padding_share_unpacked": 1.0 - real / unpacked if unpacked else 0.0,
+        }
 
     def _loss_and_gradients_finite(self, outputs: list[dict]) -> bool:
         """Whether every rank's losses and reduced gradients are finite (agreed by all ranks)."""
@@ -474,8 +586,8 @@ class MegatronActor:
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
             if routing is not None:
-                routing.micro_batch(next(index), mb.tokens, mb.loss_mask, filler=mb.rows.numel() == 0)
-            hidden = model(mb.tokens, mb.position_ids, None)
+                routing.micro_batch(next(index), mb.tokens, mb.input_loss_mask, filler=mb.rows.numel() == 0)
+            hidden = self._forward(model, self.gpt, mb)
 
             def loss_func(output):
                 log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature)

@@ -148,37 +148,94 @@ def dapo_step_with_gradients(
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
         for tied in (False, True):
             cfg.model.tie_word_embeddings = tied
-            actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
-            load_hf_model_weights(actor, os.path.join(workdir, f"hf_tied{int(tied)}"))
             batch = reference_batch()
-            # On-policy: the first update's ratio is exactly 1.
-            batch.old_log_probs = old_log_probs_as_trained(actor, batch, info.dp_rank, dp_size)
-            if kl_type is not None:
-                load_reference_weights(actor, "hf", os.path.join(workdir, f"hf_ref_tied{int(tied)}"))
-                batch.ref_log_probs = old_log_probs_as_trained(actor, batch, info.dp_rank, dp_size, reference=True)
-            if weighted:
-                batch.token_weights = correction_weights_for(batch)
-            captured: list[dict[str, torch.Tensor]] = []
-            weights_after: list[dict[str, torch.Tensor]] = []
-            step = actor.optimizer.step
-
-            def capturing_step(actor=actor, step=step, captured=captured, weights_after=weights_after):
-                _full_gradients_in_buffers(actor)
-                captured.append(_hf_named(actor, lambda p: p.main_grad))
-                result = step()
-                weights_after.append(_hf_named(actor, lambda p: p.detach()))
-                return result
-
-            actor.optimizer.step = capturing_step
-            shard = shard_for_data_parallel(batch, info.dp_rank, dp_size, NUM_MINI_BATCHES)
-            metrics = actor.train(shard, num_mini_batches=NUM_MINI_BATCHES)
+            saved = _step_capturing_gradients(
+                cfg, info, workdir, f"hf_tied{int(tied)}", batch, dp_size, weighted, kl_type
+            )
             if info.dp_rank == 0 and info.tp_rank == 0:
-                torch.save(
-                    {"gradients": captured, "weights_after": weights_after, "metrics": metrics},
-                    os.path.join(workdir, f"ref_tied{int(tied)}_stage{info.pp_rank}.pt"),
-                )
+                torch.save(saved, os.path.join(workdir, f"ref_tied{int(tied)}_stage{info.pp_rank}.pt"))
             if info.rank == 0:
                 torch.save(batch, os.path.join(workdir, f"ref_batch_tied{int(tied)}.pt"))
+
+
+def _step_capturing_gradients(cfg, info, workdir, hf_folder, batch, dp_size, weighted=False, kl_type=None) -> dict:
+    """One rollout step of a new actor on ``hf_folder``'s weights, ``batch`` (given its
+    on-policy old log-probs here): what each update's optimizer step saw (full gradients
+    under HF names), the weights after it, the metrics, the old log-probs and the shapes of
+    the micro-batches of this rank's updates."""
+    actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+    load_hf_model_weights(actor, os.path.join(workdir, hf_folder))
+    # On-policy: the first update's ratio is exactly 1.
+    batch.old_log_probs = old_log_probs_as_trained(actor, batch, info.dp_rank, dp_size)
+    if kl_type is not None:
+        load_reference_weights(actor, "hf", os.path.join(workdir, hf_folder.replace("hf_", "hf_ref_")))
+        batch.ref_log_probs = old_log_probs_as_trained(actor, batch, info.dp_rank, dp_size, reference=True)
+    if weighted:
+        batch.token_weights = correction_weights_for(batch)
+    captured: list[dict[str, torch.Tensor]] = []
+    weights_after: list[dict[str, torch.Tensor]] = []
+    step = actor.optimizer.step
+
+    def capturing_step():
+        _full_gradients_in_buffers(actor)
+        captured.append(_hf_named(actor, lambda p: p.main_grad))
+        result = step()
+        weights_after.append(_hf_named(actor, lambda p: p.detach()))
+        return result
+
+    actor.optimizer.step = capturing_step
+    shard = shard_for_data_parallel(batch, info.dp_rank, dp_size, NUM_MINI_BATCHES)
+    rows = [[mb.rows.tolist() for mb in micro] for micro in actor._update_micro_batches(shard, NUM_MINI_BATCHES)]
+    metrics = actor.train(shard, num_mini_batches=NUM_MINI_BATCHES)
+    return {
+        "gradients": captured,
+        "weights_after": weights_after,
+        "metrics": metrics,
+        "old_log_probs": batch.old_log_probs.clone(),
+        "row_lengths": [[[int(shard.seq_lengths[i]) for i in mb] for mb in micro] for micro in rows],
+    }
+
+
+PACKED_RESPONSE_LENGTHS = [9, 3, 16, 5, 5, 11, 2, 7]
+PACKED_PROMPT_LENGTHS = [4, 6, 4, 5, 7, 2, 5, 4]
+"""Sequences of 13, 9, 20, 10 | 12, 13, 7, 11 tokens: under a budget of 24, one data-
+parallel rank packs 20 alone, 13 + 10, 9 alone | 13 + 11 (exactly 24) and 12 + 7."""
+
+
+def packed_batch():
+    batch = make_batch(21, PACKED_RESPONSE_LENGTHS, PACKED_PROMPT_LENGTHS)
+    batch.tokens %= VOCAB
+    return batch
+
+
+def packed_and_unpacked_steps(workdir: str, tp_size: int, pp_size: int, dp_size: int, leaky: bool = False) -> None:
+    """The same rollout step twice from the same weights, with padded rows and with packed
+    sequences; with ``leaky``, packed under a mask that also lets each sequence attend to
+    the one before it in its row (a negative control)."""
+    from dapo_megatron.actor import packing
+
+    cfg = actor_config(tp_size, pp_size, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
+    cfg.parallel.use_distributed_optimizer = True
+    if leaky:
+        packing.block_causal_mask = _leaky_block_causal_mask
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        for pack in (False, True):
+            cfg.trainer.pack_sequences = pack
+            batch = packed_batch()
+            saved = _step_capturing_gradients(cfg, info, workdir, "hf_tied0", batch, dp_size)
+            if info.dp_rank == 0 and info.tp_rank == 0:
+                torch.save(saved, os.path.join(workdir, f"pack{int(pack)}_stage{info.pp_rank}.pt"))
+            if info.rank == 0:
+                torch.save(batch, os.path.join(workdir, f"pack{int(pack)}_batch.pt"))
+
+
+def _leaky_block_causal_mask(segments: list[int]) -> torch.Tensor:
+    """The block-diagonal causal mask, except that each segment may also attend to the
+    whole segment before it."""
+    owner = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(segments))
+    column = torch.arange(owner.numel())
+    near = (owner[:, None] == owner[None, :]) | (owner[:, None] == owner[None, :] + 1)
+    return (~(near & (column[:, None] >= column[None, :])))[None, None]
 
 
 def moe_log_probs_of_controls(workdir: str, ep_size: int) -> None:
@@ -218,3 +275,19 @@ def qwen3_log_probs_without_qk_norms(workdir: str) -> None:
                     param.fill_(1.0)
         out["without_qk_norms"] = old_log_probs_as_trained(actor, reference_batch(), 0, 1)
         torch.save(out, os.path.join(workdir, "controls.pt"))
+
+
+def bf16_step(workdir: str, tp_size: int, pp_size: int, dp_size: int) -> None:
+    """One rollout step of a bf16 actor (``model.params_dtype: bfloat16``: megatron's
+    Float16Module, fp32 main parameters in the distributed optimizer) on the weights in
+    ``hf_bf16`` (exactly representable in bf16), captured as :func:`dapo_step_with_gradients` does."""
+    cfg = actor_config(tp_size, pp_size, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
+    cfg.model.params_dtype = "bfloat16"
+    cfg.parallel.use_distributed_optimizer = True
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        batch = reference_batch()
+        saved = _step_capturing_gradients(cfg, info, workdir, "hf_bf16", batch, dp_size)
+        if info.dp_rank == 0 and info.tp_rank == 0:
+            torch.save(saved, os.path.join(workdir, f"bf16_stage{info.pp_rank}.pt"))
+        if info.rank == 0:
+            torch.save(batch, os.path.join(workdir, "bf16_batch.pt"))

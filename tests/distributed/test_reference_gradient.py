@@ -96,14 +96,15 @@ def _kl(log_probs: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def _reference_loss(
-    model, batch, rows, reference=None, kl_type=None
+    model, batch, rows, reference=None, kl_type=None, on_policy=False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DAPO's token-level loss over ``rows``, in float64 (plus ``KL_COEF`` x the token mean
-    of the KL estimate to the float64 ``reference`` model): returns (loss, ratios, mask)."""
+    of the KL estimate to the float64 ``reference`` model): returns (loss, ratios, mask).
+    ``on_policy``: the old log-probs are the model's own (ratio exactly 1), not the batch's."""
     tokens = batch.tokens[rows]
     log_probs = _log_probs(model, tokens)
     mask = batch.response_mask()[rows][:, 1:].bool()  # targets at positions 1..; none in column 0
-    old = batch.old_log_probs[rows][:, 1:].double()
+    old = log_probs.detach() if on_policy else batch.old_log_probs[rows][:, 1:].double()
     advantages = batch.advantages[rows].double()[:, None].expand_as(log_probs)
     ratio = torch.exp(log_probs - old)
     per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
@@ -184,49 +185,110 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
     for tied in (False, True):
         stages = [torch.load(tmp_path / f"ref_tied{int(tied)}_stage{s}.pt") for s in range(pp_size)]
         batch = torch.load(tmp_path / f"ref_batch_tied{int(tied)}.pt", weights_only=False)
-        metrics = stages[-1]["metrics"]
         if weighted:
             weights = batch.token_weights[batch.response_mask().bool()]
             assert (weights == 0).any() and (weights == 1.3).any() and ((weights > 0) & (weights < 1)).any()
-        assert len(metrics) == reference_worker.NUM_MINI_BATCHES and all(m["num_micro_batches"] >= 2 for m in metrics)
-        # On-policy, the first mini-batch's ratio is exactly 1: old and new log-probs are
-        # the same computation (the same micro-batches, shapes and order) on the same weights.
-        assert metrics[0]["ratio_mean"] == 1.0 and metrics[0]["ratio_max"] == 1.0, metrics[0]
-        assert metrics[0]["pg_clipfrac_low"] == metrics[0]["pg_clipfrac_high"] == 0.0
-        rows_per_mini = batch.num_rows // reference_worker.NUM_MINI_BATCHES
-        hf_dir = tmp_path / f"hf_tied{int(tied)}"
-        for index in range(reference_worker.NUM_MINI_BATCHES):
-            actor_gradients = _merged(stages, "gradients", index)
-            # Mini-batch k is taken at the weights the actor had before its update k.
-            weights = None if index == 0 else _merged(stages, "weights_after", index - 1)
-            model = _float64_model(hf_dir, tied, weights)
-            rows = list(range(index * rows_per_mini, (index + 1) * rows_per_mini))
-            reference = None
-            if kl_type is not None:
-                reference = _float64_model(tmp_path / f"hf_ref_tied{int(tied)}", tied, None)
-                with torch.no_grad():
-                    ref_kl, _, mask = _reference_loss(model, batch, rows, reference, kl_type)
-                    pg_only, _, _ = _reference_loss(model, batch, rows)
-                kl_mean = (ref_kl - pg_only).item() / reference_worker.KL_COEF
-                assert abs(kl_mean) > 1e-2 and abs(metrics[index]["kl_loss"] - kl_mean) <= 1e-5 * max(1.0, abs(kl_mean))
-            loss, ratios, _ = _reference_loss(model, batch, rows, reference, kl_type)
-            loss.backward()
-            assert abs(metrics[index]["loss"] - loss.item()) <= 1e-5 * max(1.0, abs(loss.item()))
-            if index == 0:
-                assert (ratios - 1).abs().max() < 1e-5
-            else:
-                # Off-policy now, and some tokens are clipped; none sits so close to a clip
-                # boundary that fp32 and fp64 could fall on different sides of it.
-                clipped = (ratios < 1 - CLIP_LOW) | (ratios > 1 + CLIP_HIGH)
-                assert clipped.any() and (ratios - 1).abs().max() > 0.05
-                boundary = torch.minimum((ratios - (1 - CLIP_LOW)).abs(), (ratios - (1 + CLIP_HIGH)).abs())
-                assert boundary.min() > 1e-4
-            reference = _by_checkpoint_name({name: p.grad for name, p in model.named_parameters()})
-            assert sorted(actor_gradients) == sorted(reference)
-            for name, expected in reference.items():
-                got = actor_gradients[name].double()
-                error = (got - expected).norm() / expected.norm()
-                assert error <= RELATIVE_TOLERANCE, (tied, index, name, float(error))
+        # Packed (the default), a data-parallel rank's four sequences of a mini-batch fill
+        # one or two rows of the budget of 24.
+        micro_batches = 2 if dp_size == 1 else 1
+        _assert_step_matches_float64(tmp_path, stages, batch, f"hf_tied{int(tied)}", tied, kl_type, micro_batches)
+
+
+def _assert_step_matches_float64(tmp_path, stages, batch, hf_folder, tied, kl_type=None, micro_batches=2) -> None:
+    """The actor's step (``stages``: what each pipeline stage saved, each update over at
+    least ``micro_batches`` micro-batches) against the float64 model: each mini-batch's
+    loss and gradients within ``RELATIVE_TOLERANCE``."""
+    metrics = stages[-1]["metrics"]
+    assert len(metrics) == reference_worker.NUM_MINI_BATCHES
+    assert all(m["num_micro_batches"] >= micro_batches for m in metrics)
+    # On-policy, the first mini-batch's ratio is exactly 1: old and new log-probs are
+    # the same computation (the same micro-batches, shapes and order) on the same weights.
+    assert metrics[0]["ratio_mean"] == 1.0 and metrics[0]["ratio_max"] == 1.0, metrics[0]
+    assert metrics[0]["pg_clipfrac_low"] == metrics[0]["pg_clipfrac_high"] == 0.0
+    rows_per_mini = batch.num_rows // reference_worker.NUM_MINI_BATCHES
+    hf_dir = tmp_path / hf_folder
+    for index in range(reference_worker.NUM_MINI_BATCHES):
+        actor_gradients = _merged(stages, "gradients", index)
+        # Mini-batch k is taken at the weights the actor had before its update k.
+        weights = None if index == 0 else _merged(stages, "weights_after", index - 1)
+        model = _float64_model(hf_dir, tied, weights)
+        rows = list(range(index * rows_per_mini, (index + 1) * rows_per_mini))
+        reference = None
+        if kl_type is not None:
+            reference = _float64_model(tmp_path / hf_folder.replace("hf_", "hf_ref_"), tied, None)
+            with torch.no_grad():
+                ref_kl, _, mask = _reference_loss(model, batch, rows, reference, kl_type)
+                pg_only, _, _ = _reference_loss(model, batch, rows)
+            kl_mean = (ref_kl - pg_only).item() / reference_worker.KL_COEF
+            assert abs(kl_mean) > 1e-2 and abs(metrics[index]["kl_loss"] - kl_mean) <= 1e-5 * max(1.0, abs(kl_mean))
+        loss, ratios, _ = _reference_loss(model, batch, rows, reference, kl_type)
+        loss.backward()
+        assert abs(metrics[index]["loss"] - loss.item()) <= 1e-5 * max(1.0, abs(loss.item()))
+        if index == 0:
+            assert (ratios - 1).abs().max() < 1e-5
+        else:
+            # Off-policy now, and some tokens are clipped; none sits so close to a clip
+            # boundary that fp32 and fp64 could fall on different sides of it.
+            clipped = (ratios < 1 - CLIP_LOW) | (ratios > 1 + CLIP_HIGH)
+            assert clipped.any() and (ratios - 1).abs().max() > 0.05
+            boundary = torch.minimum((ratios - (1 - CLIP_LOW)).abs(), (ratios - (1 + CLIP_HIGH)).abs())
+            assert boundary.min() > 1e-4
+        reference = _by_checkpoint_name({name: p.grad for name, p in model.named_parameters()})
+        assert sorted(actor_gradients) == sorted(reference)
+        for name, expected in reference.items():
+            got = actor_gradients[name].double()
+            error = (got - expected).norm() / expected.norm()
+            assert error <= RELATIVE_TOLERANCE, (tied, index, name, float(error))
+
+
+PACKED_TOLERANCE = 1e-6
+"""Packed against padded rows (both fp32): only the order of float additions differs
+(longer softmax and GEMM rows, with exact zeros where the mask removes a token)."""
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "pp_size", "dp_size"), [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "dp2"]
+)
+def test_packed_sequences_equal_padded_rows_and_the_float64_reference(tmp_path, tp_size, pp_size, dp_size):
+    """One rollout step from the same weights with padded rows and with packed sequences
+    (a row filled exactly to the budget, rows of a single sequence, rows of two): the old
+    log-probs and the first update's gradients agree within 1e-6, and the packed step
+    matches the float64 model as the padded one does (both mini-batches, 1e-5)."""
+    model = tiny_hf_model("qwen2", False, seed=SEEDS["qwen2"], attn_implementation="eager")
+    _randomize_biases(model)
+    model.save_pretrained(tmp_path / "hf_tied0")
+    launch_local(
+        reference_worker.packed_and_unpacked_steps,
+        tp_size * pp_size * dp_size,
+        (str(tmp_path), tp_size, pp_size, dp_size),
+    )
+    runs = {pack: [torch.load(tmp_path / f"pack{pack}_stage{s}.pt") for s in range(pp_size)] for pack in (0, 1)}
+    rows = [mb for mini in runs[1][0]["row_lengths"] for mb in mini]  # sequence lengths of each packed row
+    assert any(len(mb) == 1 for mb in rows) and any(len(mb) >= 2 for mb in rows), rows
+    if dp_size == 1:
+        assert [13, 11] in rows, rows  # exactly the budget of 24: the last sequence ends at the row's end
+    assert all(sum(mb) <= 24 for mb in rows)
+    batches = {pack: torch.load(tmp_path / f"pack{pack}_batch.pt", weights_only=False) for pack in (0, 1)}
+    mask = batches[0].response_mask().bool()
+    assert float((batches[1].old_log_probs - batches[0].old_log_probs)[mask].abs().max()) <= PACKED_TOLERANCE
+    padded, packed = _merged(runs[0], "gradients", 0), _merged(runs[1], "gradients", 0)
+    for name, expected in padded.items():
+        error = float((packed[name].double() - expected.double()).norm() / expected.double().norm())
+        assert error <= PACKED_TOLERANCE, (name, error)
+    # (Packed, a data-parallel rank's two sequences of a mini-batch may share one row.)
+    _assert_step_matches_float64(tmp_path, runs[1], batches[1], "hf_tied0", tied=False, micro_batches=1)
+
+
+def test_packed_sequences_that_see_their_neighbour_are_far_from_padded_rows(tmp_path):
+    """The packed test can fail: under a mask that lets each sequence of a row also attend
+    to the one before it, the old log-probs are more than 1e-3 from the padded rows'."""
+    model = tiny_hf_model("qwen2", False, seed=SEEDS["qwen2"], attn_implementation="eager")
+    _randomize_biases(model)
+    model.save_pretrained(tmp_path / "hf_tied0")
+    launch_local(reference_worker.packed_and_unpacked_steps, 1, (str(tmp_path), 1, 1, 1, True))
+    batches = {pack: torch.load(tmp_path / f"pack{pack}_batch.pt", weights_only=False) for pack in (0, 1)}
+    mask = batches[0].response_mask().bool()
+    assert float((batches[1].old_log_probs - batches[0].old_log_probs)[mask].abs().max()) > 1e-3
 
 
 def test_first_ratio_is_exactly_one_whatever_the_gemm_kernels(tmp_path):
@@ -283,3 +345,55 @@ def test_moe_negative_controls_are_far_from_the_reference(tmp_path):
     launch_local(reference_worker.moe_log_probs_of_controls, 2, (str(tmp_path), 2))
     errors = _control_errors(tmp_path)
     assert errors["right"] <= 1e-5 and errors["wrong_norm_topk_prob"] > 1e-3 and errors["swapped"] > 1e-3, errors
+
+
+BF16_UNIT_ROUNDOFF = 2.0**-9
+"""bf16 keeps 8 significant bits: rounding to nearest moves a value by at most 2^-9 of it."""
+BF16_ROUNDINGS = 2 * 4 * 12
+"""bf16 roundings on a gradient's path through the tiny model: forward and backward (2),
+through its 4 layers, about 12 per layer each way (norm, q, k, v, scores, probabilities,
+attention output, projection, residual, norm, fc1 and its activation, fc2, residual)."""
+BF16_TOLERANCE = 4 * BF16_ROUNDINGS**0.5 * BF16_UNIT_ROUNDOFF / 3**0.5
+"""The relative gradient error bf16 may have against float64: independent rounding errors
+(uniform, rms ``u / sqrt(3)``) add in quadrature over ``BF16_ROUNDINGS`` roundings, ~1.1e-2;
+four times that (4.5e-2) leaves room for errors that align. A mistake in what is computed
+(a dropped micro-batch, another mini-batch's rows, a wrong token count) moves a gradient
+by tens of percent."""
+
+
+@pytest.mark.parametrize(("tp_size", "dp_size"), [(2, 1), (1, 2)], ids=["tp2", "dp2"])
+def test_bf16_gradients_are_within_the_bf16_tolerance_of_the_float64_reference(tmp_path, tp_size, dp_size):
+    """The first (on-policy) DAPO update of a bf16 actor (megatron's Float16Module, fp32
+    main parameters and gradient buffers in the distributed optimizer, packed sequences)
+    against the float64 model on the same weights, bf16-representable: every gradient
+    within BF16_TOLERANCE, while the gradients of the other mini-batch's rows are far
+    outside it (the tolerance tells a wrong computation apart)."""
+    model = tiny_hf_model("qwen2", False, seed=SEEDS["qwen2"], attn_implementation="eager")
+    _randomize_biases(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.bfloat16().float())
+    model.save_pretrained(tmp_path / "hf_bf16")
+    launch_local(reference_worker.bf16_step, tp_size * dp_size, (str(tmp_path), tp_size, 1, dp_size))
+    saved = torch.load(tmp_path / "bf16_stage0.pt")
+    batch = torch.load(tmp_path / "bf16_batch.pt", weights_only=False)
+    assert saved["metrics"][0]["ratio_max"] == 1.0 and saved["metrics"][0]["nonfinite"] == 0.0
+    size = batch.num_rows // reference_worker.NUM_MINI_BATCHES
+
+    def reference_gradients(rows):
+        model = _float64_model(tmp_path / "hf_bf16", False, None)
+        loss, _, _ = _reference_loss(model, batch, rows, on_policy=True)
+        loss.backward()
+        return _by_checkpoint_name({n: p.grad for n, p in model.named_parameters()})
+
+    def largest_error(expected_by_name):
+        actor = saved["gradients"][0]
+        assert sorted(actor) == sorted(expected_by_name)
+        return max(
+            float((actor[name].double() - expected).norm() / expected.norm())
+            for name, expected in expected_by_name.items()
+        )
+
+    error = largest_error(reference_gradients(list(range(size))))
+    assert 1e-4 < error <= BF16_TOLERANCE, error  # bf16's error, not fp32's, and within the bound
+    assert largest_error(reference_gradients(list(range(size, 2 * size)))) > 10 * BF16_TOLERANCE
