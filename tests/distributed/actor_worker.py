@@ -397,3 +397,86 @@ def sync_every_rank_feeds(workdir: str) -> None:
             Path(workdir, f"sent_by_rank_{info.rank}.json"),
             {"dp": info.dp_rank, "pp": info.pp_rank, "sent": actor.last_sync_sent_bytes},
         )
+
+
+# ---------------------------------------------------------------- bf16: sync into a bf16 engine, exact resume
+
+
+def _main_parameters(actor) -> list[torch.Tensor]:
+    """The optimizer's own (main) parameters: the distributed optimizer's shards."""
+    optimizers = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    return [p for opt in optimizers for group in opt.optimizer.param_groups for p in group["params"]]
+
+
+def bf16_sync_train_and_resume(workdir: str, tp_size: int, dp_size: int) -> None:
+    """A bf16 actor (``model.params_dtype: bfloat16``) from the fp32 initial checkpoint:
+    sync into a bf16 transformers engine (its weights and the actor's HF export saved);
+    engine-vs-actor log-probs of sampled responses; three steps, a checkpoint, a fourth
+    step; then a new actor resumed from the checkpoint takes the fourth step again."""
+    from dapo_megatron.actor.weight_sync import iter_hf_tensors, sync_weights
+    from dapo_megatron.algo.metrics import rollout_consistency
+    from dapo_megatron.rollout.engine import SamplingParams
+    from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+
+    cfg = actor_config(tp_size, 1, dp_size=dp_size, lr=5e-3, lr_warmup_steps=5)
+    cfg.model.params_dtype = "bfloat16"
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        actor = _actor(cfg, info)
+        load_model_weights(actor, os.path.join(workdir, "init"))
+        engine = HFRolloutEngine.from_model_config(cfg.model, dtype=torch.bfloat16) if info.rank == 0 else None
+        sync_weights(actor, engine, bucket_bytes=SYNC_BUCKET_BYTES)
+        exported = {name: tensor.clone() for name, tensor in iter_hf_tensors(actor)}
+        samples = [None]
+        if info.rank == 0:
+            torch.save({"engine": engine.state_dict(), "actor": exported}, os.path.join(workdir, "bf16_sync.pt"))
+            sampled = engine.generate(SYNC_PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, seed=1), n=2)
+            samples = [[(SYNC_PROMPTS[g.prompt_index], g.token_ids, g.log_probs) for g in sampled]]
+        torch.distributed.broadcast_object_list(samples, src=0)
+        rows = samples[0]
+        width = max(len(p) + len(r) for p, r, _ in rows)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        engine_lp = torch.zeros(len(rows), width)
+        for i, (prompt, response, lps) in enumerate(rows):
+            tokens[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+            engine_lp[i, len(prompt) : len(prompt) + len(response)] = torch.tensor(lps)
+        sampled_batch = PolicyBatch(
+            tokens=tokens,
+            prompt_lengths=torch.tensor([len(p) for p, _, _ in rows]),
+            response_lengths=torch.tensor([len(r) for _, r, _ in rows]),
+        )
+        actor_lp, _ = actor.compute_log_probs(sampled_batch)
+        consistency = rollout_consistency(actor_lp, engine_lp, sampled_batch.response_mask())
+
+        batch = _resume_batch(VOCAB)
+        batch.old_log_probs, _ = actor.compute_log_probs(batch)
+        shard = shard_for_data_parallel(batch, info.dp_rank, dp_size, 2)
+        losses = []
+        _train_steps(actor, shard, 3, losses)
+        save_checkpoint(actor, os.path.join(workdir, "ckpt_bf16"), keep_last=2)
+        _train_steps(actor, shard, 1, losses)
+        uninterrupted = [p.detach().clone() for p in actor.gpt.parameters()]
+        dtypes = sorted({str(p.dtype) for p in actor.gpt.parameters()})
+        main_dtypes = sorted({str(p.dtype) for p in _main_parameters(actor)})
+
+        resumed = _actor(cfg, info)
+        step = load_checkpoint(resumed, os.path.join(workdir, "ckpt_bf16"), seed=cfg.trainer.seed)
+        # The fp32 main weights came back, not the bf16 weights widened: after three steps
+        # they hold bits that bf16 cannot.
+        beyond_bf16 = any(bool((p != p.bfloat16().float()).any()) for p in _main_parameters(resumed))
+        resumed_losses = []
+        _train_steps(resumed, shard, 1, resumed_losses)
+        equal = all(torch.equal(a, p) for a, p in zip(uninterrupted, resumed.gpt.parameters()))
+        if info.rank == 0:
+            _write_json(
+                Path(workdir, "bf16_resume.json"),
+                {
+                    "step": step,
+                    "losses": losses,
+                    "resumed_losses": resumed_losses,
+                    "weights_equal": equal,
+                    "main_beyond_bf16": beyond_bf16,
+                    "param_dtypes": dtypes,
+                    "main_dtypes": main_dtypes,
+                    "consistency": {**consistency, "num_tokens": int(sampled_batch.response_mask().sum())},
+                },
+            )
