@@ -19,6 +19,7 @@ and for a GPU (causal kernels; THD computes only each sequence's own triangle).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -34,10 +35,27 @@ sys.path.insert(0, str(REPO))
 
 
 def lengths_of(args) -> list[int]:
-    """Response lengths, log-uniform between the bounds, in a seeded shuffled order."""
-    rng = random.Random(args.seed)
+    """Response lengths at the quantiles ``(i + 1/2) / n`` of the log-uniform law between
+    the bounds (the longest about 10x the median when the bounds are 100x apart), in a
+    seeded shuffled order."""
     low, high = math.log(args.min_response), math.log(args.max_response)
-    return [int(round(math.exp(rng.uniform(low, high)))) for _ in range(args.sequences)]
+    n = args.sequences
+    lengths = [int(round(math.exp(low + (high - low) * (i + 0.5) / n))) for i in range(n)]
+    random.Random(args.seed).shuffle(lengths)
+    return lengths
+
+
+def cpu_model() -> str:
+    """The machine's CPU, as /proc/cpuinfo names it (or the platform's word for it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def config_for(args):
@@ -54,11 +72,15 @@ def config_for(args):
                 "vocab_size": args.vocab,
                 "make_vocab_size_divisible_by": 8,
                 "max_position_embeddings": args.budget,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1e6,
+                "tie_word_embeddings": False,
                 "params_dtype": "float32",
                 "transformer_impl": "local",
             },
             "parallel": {"device": "cpu", "tp_size": 1, "pp_size": 1},
             "rollout": {"max_prompt_length": args.prompt, "max_response_length": args.max_response},
+            "algorithm": {"overlong_buffer_enable": False},
             "trainer": {"micro_batch_max_tokens": args.budget, "lr": 1e-9, "lr_warmup_steps": 0},
         }
     )
@@ -106,10 +128,12 @@ def measure(args) -> dict:
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
         actors = {}
         for name, pack in modes.items():
-            cfg.trainer.pack_sequences = pack
+            trainer = dataclasses.replace(cfg.trainer, pack_sequences=pack)  # an actor keeps its config
             torch.manual_seed(0)
-            actors[name] = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
-            results[name].update(predictions(cfg, actors[name], batch_of(args, responses)))
+            actors[name] = MegatronActor(cfg.model, cfg.parallel, trainer, cfg.algorithm, info)
+            results[name].update(
+                predictions(dataclasses.replace(cfg, trainer=trainer), actors[name], batch_of(args, responses))
+            )
         for repeat in range(args.repeats + 1):  # the first is a warm-up
             for name, actor in actors.items():
                 batch = batch_of(args, responses)
@@ -135,6 +159,7 @@ def measure(args) -> dict:
         "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab},
         "threads": args.threads,
         "repeats": args.repeats,
+        "cpu": cpu_model(),
     }
     summary = {}
     for name, r in results.items():
@@ -160,11 +185,11 @@ def measure(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--sequences", type=int, default=48)
     parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--min-response", type=int, default=20)
-    parser.add_argument("--max-response", type=int, default=2000)
-    parser.add_argument("--budget", type=int, default=4096)
+    parser.add_argument("--min-response", type=int, default=10)
+    parser.add_argument("--max-response", type=int, default=1000)
+    parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=4096)

@@ -13,6 +13,9 @@ matplotlib). Writes
 
 With ``--async-metrics`` (a run with ``trainer.async_generation``) also
 ``demo_async_learning.png`` and ``demo_async_mismatch.png``, the same plots of that run.
+With ``--bf16-metrics`` (a run with ``model.params_dtype=bfloat16``) also
+``demo_bf16_mismatch.png``: that run's validation accuracy and mismatch (K3 KL per token,
+the largest sequence log-ratio) beside the ``--metrics`` run's (fp32).
 """
 
 from __future__ import annotations
@@ -119,11 +122,52 @@ def plot_mismatch(metrics_file: Path, out: Path, name: str = "demo_mismatch.png"
     return path
 
 
+def plot_precision_mismatch(fp32_file: Path, bf16_file: Path, out: Path, name: str = "demo_bf16_mismatch.png") -> Path:
+    """Validation accuracy and the train-inference mismatch of a bf16 run beside an fp32 one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {}
+    for label, file in (("fp32", fp32_file), ("bf16", bf16_file)):
+        runs[label] = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    fig, (accuracy, kl, sequence) = plt.subplots(1, 3, figsize=(12, 3.2))
+    for label, rows in runs.items():
+        val = [r for r in rows if "val/accuracy" in r]
+        accuracy.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], "o-", label=label)
+        mismatch = [r for r in rows if "rollout_mismatch/kl_k3_mean" in r]
+        steps = [r["step"] for r in mismatch]
+        kl.semilogy(
+            steps, [max(r["rollout_mismatch/kl_k3_mean"], 1e-16) for r in mismatch], lw=1, label=f"{label} mean"
+        )
+        kl.semilogy(
+            steps, [max(r["rollout_mismatch/kl_k3_max"], 1e-16) for r in mismatch], lw=1, ls="--", label=f"{label} max"
+        )
+        largest = [
+            max(abs(r["rollout_mismatch/seq_log_ratio_max"]), abs(r["rollout_mismatch/seq_log_ratio_min"]), 1e-16)
+            for r in mismatch
+        ]
+        sequence.semilogy(steps, largest, lw=1, label=label)
+    accuracy.set_title("validation accuracy (greedy)", fontsize=9)
+    kl.set_title("KL(rollout || actor) per token (K3)", fontsize=9)
+    sequence.set_title("largest |sequence log-ratio| of a step", fontsize=9)
+    for axis in (accuracy, kl, sequence):
+        axis.set_xlabel("step")
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / name
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, required=True, help="a `dapo-megatron bench --json` file")
     parser.add_argument("--metrics", type=Path, required=True, help="a run's metrics.jsonl")
     parser.add_argument("--async-metrics", type=Path, help="metrics.jsonl of a run with async generation")
+    parser.add_argument("--bf16-metrics", type=Path, help="metrics.jsonl of a run with model.params_dtype=bfloat16")
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -137,6 +181,8 @@ def main() -> None:
             plot_learning(args.async_metrics, args.out, "demo_async_learning.png"),
             plot_mismatch(args.async_metrics, args.out, "demo_async_mismatch.png"),
         ]
+    if args.bf16_metrics is not None:
+        written.append(plot_precision_mismatch(args.metrics, args.bf16_metrics, args.out))
     for path in written:
         if path is not None:
             print(f"wrote {path}")

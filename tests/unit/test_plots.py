@@ -37,6 +37,8 @@ def test_plot_script_writes_both_figures(tmp_path):
             "rollout_mismatch/kl_k3_mean": 1e-7 * s,
             "rollout_mismatch/kl_k3_max": 1e-5 * s,
             "rollout_mismatch/ratio_outside_cap_share": 0.0,
+            "rollout_mismatch/seq_log_ratio_max": 1e-5 * s,
+            "rollout_mismatch/seq_log_ratio_min": -2e-5 * s,
         }
         for s in range(1, 6)
     ]
@@ -52,6 +54,8 @@ def test_plot_script_writes_both_figures(tmp_path):
             str(tmp_path / "metrics.jsonl"),
             "--async-metrics",
             str(tmp_path / "metrics.jsonl"),
+            "--bf16-metrics",
+            str(tmp_path / "metrics.jsonl"),
             "--out",
             str(tmp_path / "img"),
         ],
@@ -61,6 +65,6 @@ def test_plot_script_writes_both_figures(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     names = ("step_breakdown.png", "demo_learning.png", "demo_mismatch.png")
-    for name in (*names, "demo_async_learning.png", "demo_async_mismatch.png"):
+    for name in (*names, "demo_async_learning.png", "demo_async_mismatch.png", "demo_bf16_mismatch.png"):
         data = (tmp_path / "img" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
