@@ -73,7 +73,6 @@ class _MicroBatch:
     token_loss_mask: Optional[torch.Tensor] = None  # [b, L] the loss tokens on the token grid (packed only)
     attention_mask: Optional[torch.Tensor] = None  # [b, 1, L, L] True = masked (packed, local spec)
     packed_seq_params: object = None  # megatron's PackedSeqParams (packed, Transformer Engine)
-    sequence_tokens: int = 0  # tokens of the sequences (the rest of tokens is padding)
 
     @property
     def input_loss_mask(self) -> torch.Tensor:
@@ -226,7 +225,6 @@ class MegatronActor:
                 _MicroBatch(
                     tokens=tokens.to(self.device),
                     position_ids=torch.arange(width).expand(len(rows), width).to(self.device),
-                    sequence_tokens=int(batch.seq_lengths[index].sum()),
                     **self._sequence_grids(batch, index, width),
                 )
             )
@@ -262,7 +260,6 @@ class MegatronActor:
                     token_loss_mask=token_loss_mask.to(self.device),
                     attention_mask=attention_mask,
                     packed_seq_params=params,
-                    sequence_tokens=start,
                     **self._sequence_grids(batch, index, max(lengths[i] for i in rows)),
                 )
             )
@@ -334,7 +331,6 @@ class MegatronActor:
                 micro.append(
                     _MicroBatch(
                         rows=torch.zeros(0, dtype=torch.long),
-                        sequence_tokens=0,
                         tokens=torch.zeros(1, width, dtype=torch.long, device=self.device),
                         position_ids=torch.arange(width, device=self.device).expand(1, width),
                         loss_mask=torch.zeros(1, width, device=self.device),
@@ -356,6 +352,12 @@ class MegatronActor:
         states = hidden[:, :-1][inputs]  # [n, h]
         targets = micro.tokens[:, 1:][inputs]
         selected = micro.loss_mask[:, 1:].bool()
+        if micro.token_loss_mask is not None and states.shape[0] != int(selected.sum()):
+            # masked_scatter below would silently drop or leave out values.
+            raise RuntimeError(
+                f"a packed micro-batch has {states.shape[0]} loss tokens on its row but {int(selected.sum())} "
+                "on its sequences' grid"
+            )
         weight = output_weight(gpt if gpt is not None else self.gpt)
         # bf16: the last stage's Float16Module hands back fp32 copies of bf16 hidden
         # states; back in bf16 (exactly), the projection is the output layer's.

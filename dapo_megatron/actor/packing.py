@@ -8,7 +8,11 @@ placed first-fit by decreasing length; the row's width is its tokens rounded up 
 sequence pad multiple, and that tail of padding is one more segment of its own.
 
 Inside a row nothing may cross a sequence boundary, and positions restart at 0 for
-every segment, so that each sequence sees exactly what it sees alone in a row:
+every segment, so that each sequence sees what it sees alone in a row. (RoPE is
+relative: inside its own segment a sequence would attend the same in exact arithmetic
+at any offset. The restart makes it the same in floating point too: each token gets the
+very angles it has alone, not those of a far position, whose cos/sin carry less
+precision. The mask is what the equality tests check; the angles are checked directly.)
 
 - Megatron's local spec (the CPU): the attention mask argument carries a block-diagonal
   causal mask (:func:`block_causal_mask`, True = masked; megatron's softmax uses it

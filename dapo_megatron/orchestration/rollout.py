@@ -35,7 +35,13 @@ from dapo_megatron.config import Config, hf_weights_folder
 from dapo_megatron.models.gpt import params_dtype
 from dapo_megatron.orchestration.calls import call_all, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
-from dapo_megatron.orchestration.placement import engine_gpu_bases, engine_kind, engine_placements, engine_start_gpus
+from dapo_megatron.orchestration.placement import (
+    actor_on_gpu,
+    engine_gpu_bases,
+    engine_kind,
+    engine_placements,
+    engine_start_gpus,
+)
 from dapo_megatron.rollout.engine import Generation, SamplingParams, StreamGroup, sampling_seeds
 
 logger = logging.getLogger(__name__)
@@ -189,9 +195,10 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
             return HFRolloutEngine.from_pretrained(weights_dir, device=device)
         folder = hf_weights_folder(config.model)
         eos = hf_eos_token_ids(folder) if folder is not None else ()
-        # The actor's parameter dtype, so that a sync copies its weights bit for bit
-        # (bf16 actor, bf16 engine: the train-inference precision of a GPU run).
-        dtype = params_dtype(config.model, device)
+        # The actor's parameter dtype (that of the actor's device, wherever the engine
+        # runs), so that a sync copies its weights bit for bit (bf16 actor, bf16
+        # engine: the train-inference precision of a GPU run).
+        dtype = params_dtype(config.model, "cuda" if actor_on_gpu(config.parallel) else "cpu")
         return HFRolloutEngine.from_model_config(config.model, dtype=dtype, device=device, eos_token_ids=eos)
     from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 
