@@ -356,7 +356,7 @@ attention output, projection, residual, norm, fc1 and its activation, fc2, resid
 BF16_TOLERANCE = 4 * BF16_ROUNDINGS**0.5 * BF16_UNIT_ROUNDOFF / 3**0.5
 """The relative gradient error bf16 may have against float64: independent rounding errors
 (uniform, rms ``u / sqrt(3)``) add in quadrature over ``BF16_ROUNDINGS`` roundings, ~1.1e-2;
-four times that (4.5e-2) leaves room for errors that align. A mistake in what is computed
+four times that (4.4e-2) leaves room for errors that align. A mistake in what is computed
 (a dropped micro-batch, another mini-batch's rows, a wrong token count) moves a gradient
 by tens of percent."""
 
