@@ -214,6 +214,7 @@ class MegatronActor:
         if self.trainer.pack_sequences:
             return self._packed_micro_batches(batch)
         plans = plan_micro_batches(batch.seq_lengths.tolist(), self.trainer.micro_batch_max_tokens, self.pad_multiple)
+        mask = batch.response_mask()
         micro = []
         for rows in plans:
             index = torch.tensor(rows, dtype=torch.long)
@@ -225,7 +226,7 @@ class MegatronActor:
                 _MicroBatch(
                     tokens=tokens.to(self.device),
                     position_ids=torch.arange(width).expand(len(rows), width).to(self.device),
-                    **self._sequence_grids(batch, index, width),
+                    **self._sequence_grids(batch, mask, index, width),
                 )
             )
         return micro
@@ -260,14 +261,15 @@ class MegatronActor:
                     token_loss_mask=token_loss_mask.to(self.device),
                     attention_mask=attention_mask,
                     packed_seq_params=params,
-                    **self._sequence_grids(batch, index, max(lengths[i] for i in rows)),
+                    **self._sequence_grids(batch, mask, index, max(lengths[i] for i in rows)),
                 )
             )
         return micro
 
-    def _sequence_grids(self, batch: PolicyBatch, index: torch.Tensor, width: int) -> dict:
-        """The loss tensors of ``batch``'s rows ``index``, ``width`` columns wide (zeros
-        beyond the batch's own grid), on the actor's device."""
+    def _sequence_grids(self, batch: PolicyBatch, mask: torch.Tensor, index: torch.Tensor, width: int) -> dict:
+        """The loss tensors of ``batch``'s rows ``index`` (``mask``: the batch's response
+        mask), ``width`` columns wide (zeros beyond the batch's own grid), on the actor's
+        device."""
         used = min(width, batch.tokens.shape[1])
 
         def grid(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -279,7 +281,7 @@ class MegatronActor:
 
         return {
             "rows": index,
-            "loss_mask": grid(batch.response_mask()),
+            "loss_mask": grid(mask),
             "old_log_probs": grid(batch.old_log_probs),
             "advantages": batch.advantages[index].float().to(self.device) if batch.advantages is not None else None,
             "token_weights": grid(batch.token_weights),
@@ -534,10 +536,12 @@ class MegatronActor:
         sequence each would have it (``padding_share_unpacked``)."""
         run = sum(mb.tokens.numel() for micro in planned for mb in micro)
         unpacked = 0
-        for mini in batch.split(num_mini_batches):
-            lengths = mini.seq_lengths.tolist()
-            for rows in plan_micro_batches(lengths, self.trainer.micro_batch_max_tokens, self.pad_multiple):
-                unpacked += len(rows) * round_up(max(lengths[i] for i in rows), self.pad_multiple)
+        lengths = batch.seq_lengths.tolist()
+        size = len(lengths) // num_mini_batches
+        for start in range(0, len(lengths), size):
+            mini = lengths[start : start + size]
+            for rows in plan_micro_batches(mini, self.trainer.micro_batch_max_tokens, self.pad_multiple):
+                unpacked += len(rows) * round_up(max(mini[i] for i in rows), self.pad_multiple)
         totals = torch.tensor(
             [float(batch.seq_lengths.sum()), float(run), float(unpacked)], dtype=torch.float64, device=self.device
         )

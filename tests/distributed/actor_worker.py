@@ -323,6 +323,23 @@ SYNC_PROMPTS = [[5, 17, 99, 3], [42, 8], [120, 64, 1, 2, 77]]
 SYNC_BUCKET_BYTES = 48 * 1024  # small, so the tiny model travels in many buckets
 
 
+def _sampled_batch(rows: list[tuple[list[int], list[int], list[float]]]) -> tuple[PolicyBatch, torch.Tensor]:
+    """The engine's samples ``(prompt, response, log-probs)`` as a batch, and the engine's
+    log-probs on its label grid."""
+    width = max(len(p) + len(r) for p, r, _ in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    engine_lp = torch.zeros(len(rows), width)
+    for i, (prompt, response, lps) in enumerate(rows):
+        tokens[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+        engine_lp[i, len(prompt) : len(prompt) + len(response)] = torch.tensor(lps)
+    batch = PolicyBatch(
+        tokens=tokens,
+        prompt_lengths=torch.tensor([len(p) for p, _, _ in rows]),
+        response_lengths=torch.tensor([len(r) for _, r, _ in rows]),
+    )
+    return batch, engine_lp
+
+
 def sync_generate_train(workdir: str, tp_size: int, pp_size: int) -> None:
     """Sync to a transformers engine, generate, compare log-probs, train, sync again."""
     from dapo_megatron.actor.weight_sync import sync_weights
@@ -354,19 +371,8 @@ def sync_generate_train(workdir: str, tp_size: int, pp_size: int) -> None:
                 },
             )
         torch.distributed.broadcast_object_list(samples, src=0)
-        rows = samples[0]
-        width = max(len(p) + len(r) for p, r, _ in rows)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        engine_lp = torch.zeros(len(rows), width)
-        for i, (prompt, response, lps) in enumerate(rows):
-            tokens[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-            engine_lp[i, len(prompt) : len(prompt) + len(response)] = torch.tensor(lps)
-        batch = PolicyBatch(
-            tokens=tokens,
-            prompt_lengths=torch.tensor([len(p) for p, _, _ in rows]),
-            response_lengths=torch.tensor([len(r) for _, r, _ in rows]),
-            advantages=torch.tensor([1.0, -1.0] * (len(rows) // 2)),
-        )
+        batch, engine_lp = _sampled_batch(samples[0])
+        batch.advantages = torch.tensor([1.0, -1.0] * (batch.num_rows // 2))
         actor_lp, _ = actor.compute_log_probs(batch)
         consistency = rollout_consistency(actor_lp, engine_lp, batch.response_mask())
         batch.old_log_probs = actor_lp
@@ -432,18 +438,7 @@ def bf16_sync_train_and_resume(workdir: str, tp_size: int, dp_size: int) -> None
             sampled = engine.generate(SYNC_PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, seed=1), n=2)
             samples = [[(SYNC_PROMPTS[g.prompt_index], g.token_ids, g.log_probs) for g in sampled]]
         torch.distributed.broadcast_object_list(samples, src=0)
-        rows = samples[0]
-        width = max(len(p) + len(r) for p, r, _ in rows)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        engine_lp = torch.zeros(len(rows), width)
-        for i, (prompt, response, lps) in enumerate(rows):
-            tokens[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-            engine_lp[i, len(prompt) : len(prompt) + len(response)] = torch.tensor(lps)
-        sampled_batch = PolicyBatch(
-            tokens=tokens,
-            prompt_lengths=torch.tensor([len(p) for p, _, _ in rows]),
-            response_lengths=torch.tensor([len(r) for _, r, _ in rows]),
-        )
+        sampled_batch, engine_lp = _sampled_batch(samples[0])
         actor_lp, _ = actor.compute_log_probs(sampled_batch)
         consistency = rollout_consistency(actor_lp, engine_lp, sampled_batch.response_mask())
 
