@@ -14,7 +14,8 @@ the environment, to every worker; a client without it is refused. Ray has no opt
 bind a Linux node to the loopback address (``ray.init(_node_ip_address="127.0.0.1")`` is
 replaced by the machine's address); its single-machine mode, which it uses on macOS and
 Windows (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), does exactly that, so the local
-instance runs in that mode. A joined cluster keeps its own settings: the driver takes
+instance runs in that mode. :class:`PrivateRay` does both (the placement rehearsal's
+simulated cluster uses it too). A joined cluster keeps its own settings: the driver takes
 ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH`` from the environment, which
 ``train.sbatch`` sets for the cluster it starts.
 
@@ -68,6 +69,57 @@ def _reload_ray_auth_settings() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+class PrivateRay:
+    """``with PrivateRay(folder):`` the Ray instance this process starts inside the block
+    (and every process that instance starts) listens on the loopback address only and
+    requires a token: a fresh secret in ``folder / TOKEN_FILE``, created exclusively with
+    mode 0600 (an earlier instance's file there is replaced). On leaving, the file is
+    removed and this process's environment and Ray settings are as they were. Enter it
+    before starting the instance, leave it once the instance has stopped.
+    """
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.token_file = Path(folder) / TOKEN_FILE
+        self._saved_env: dict[str, Optional[str]] = {}
+        self._saved_cluster_mode = True
+        self._active = False
+
+    def __enter__(self) -> PrivateRay:
+        if self._active:
+            raise RuntimeError("this PrivateRay is already in use")
+        self.token_file.unlink(missing_ok=True)
+        descriptor = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(secrets.token_hex(32))
+        self._saved_env = {name: os.environ.get(name) for name in _AUTH_VARIABLES + (_SINGLE_MACHINE,)}
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_file))
+        # Loopback only: the driver decides the node's address now; the processes Ray
+        # starts read the variable when they import it.
+        os.environ[_SINGLE_MACHINE] = "0"
+        self._saved_cluster_mode = _set_ray_cluster_mode(False)
+        self._active = True
+        _reload_ray_auth_settings()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the secret and restore the settings (once; later calls do nothing)."""
+        if not self._active:
+            return
+        self._active = False
+        self.token_file.unlink(missing_ok=True)
+        for name, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _set_ray_cluster_mode(self._saved_cluster_mode)
+        _reload_ray_auth_settings()
+
+
 class RayCluster:
     """``with RayCluster(config.ray, run_dir, num_cpus):`` Ray is up inside the block.
 
@@ -84,9 +136,8 @@ class RayCluster:
         self.started_here = False
         self._short_dir: Optional[Path] = None
         self._link: Optional[Path] = None
+        self._private: Optional[PrivateRay] = None
         self._token_file: Optional[Path] = None
-        self._saved_env: dict[str, Optional[str]] = {}
-        self._saved_cluster_mode = True
 
     def __enter__(self) -> RayCluster:
         import ray
@@ -155,33 +206,15 @@ class RayCluster:
 
     def _make_private(self, folder: Path) -> None:
         """Loopback only, and a fresh secret readable by the user only that Ray is told to require."""
-        token_file = folder / TOKEN_FILE
-        token_file.unlink(missing_ok=True)
-        descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(secrets.token_hex(32))
-        self._saved_env = {name: os.environ.get(name) for name in _AUTH_VARIABLES + (_SINGLE_MACHINE,)}
-        os.environ.pop("RAY_AUTH_TOKEN", None)
-        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
-        # Loopback only: the driver decides the node's address now; the processes Ray
-        # starts read the variable when they import it.
-        os.environ[_SINGLE_MACHINE] = "0"
-        self._saved_cluster_mode = _set_ray_cluster_mode(False)
-        self._token_file = token_file
-        _reload_ray_auth_settings()
+        self._private = PrivateRay(folder).__enter__()
+        self._token_file = self._private.token_file
 
     def _end_private(self) -> None:
-        if self._token_file is None:
+        if self._private is None:
             return
-        self._token_file.unlink(missing_ok=True)
+        self._private.close()
+        self._private = None
         self._token_file = None
-        for name, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        _set_ray_cluster_mode(self._saved_cluster_mode)
-        _reload_ray_auth_settings()
 
     def _temp_dir(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,9 @@ rehearsal *executes* the placement instead, in seconds and without a GPU:
 
 - a private local Ray cluster declares the config's nodes (``parallel.num_nodes`` of
   ``parallel.num_devices_per_node`` GPUs, plus spare nodes for separate engines), one
-  raylet per node, as :class:`ray.cluster_utils.Cluster` runs them;
+  raylet per node, as :class:`ray.cluster_utils.Cluster` runs them, on the loopback
+  address only and requiring a token of its own (:class:`~.cluster.PrivateRay`, as the
+  local instance of ``train``): it runs whatever a client that reaches it submits;
 - :class:`ActorGroup` and :class:`RolloutWorkers` place every rank and every engine
   through the code ``train`` runs (same placement group, bundles, scheduling strategies,
   first-GPU choice and feeder choice), with stand-in actors (:mod:`stand_ins`) that only
@@ -23,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +37,7 @@ from typing import Optional
 import ray
 
 from dapo_megatron.config import Config
+from dapo_megatron.orchestration.cluster import PrivateRay
 from dapo_megatron.orchestration.placement import actor_on_gpu, engine_kind
 
 logger = logging.getLogger(__name__)
@@ -130,7 +135,10 @@ class Rehearsal:
 @contextmanager
 def declared_cluster(num_nodes: int, gpus_per_node: int, cpus_per_node: int) -> Iterator[None]:
     """A private local Ray cluster of ``num_nodes`` raylets, each declaring
-    ``gpus_per_node`` GPUs (none need exist) and ``cpus_per_node`` CPUs; connected to."""
+    ``gpus_per_node`` GPUs (none need exist) and ``cpus_per_node`` CPUs; connected to.
+    Every process of it listens on the loopback address only and takes only clients
+    holding its token (:class:`PrivateRay`; the token in a folder of its own, removed at
+    the end)."""
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
@@ -140,19 +148,24 @@ def declared_cluster(num_nodes: int, gpus_per_node: int, cpus_per_node: int) -> 
     # Workers start through a setup script that does not import Ray (see its docstring).
     setup = str(Path(__file__).with_name("rehearsal_worker_setup.py"))
     node_args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node, "setup_worker_path": setup}
-    cluster = Cluster(
-        initialize_head=True, head_node_args={**node_args, "include_dashboard": False}, shutdown_at_exit=True
-    )
+    secret_dir = tempfile.mkdtemp(prefix="dapo-rehearsal-")  # mode 0700
     try:
-        for _ in range(num_nodes - 1):
-            cluster.add_node(wait=False, **node_args)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-        yield
+        with PrivateRay(secret_dir):
+            cluster = Cluster(
+                initialize_head=True, head_node_args={**node_args, "include_dashboard": False}, shutdown_at_exit=True
+            )
+            try:
+                for _ in range(num_nodes - 1):
+                    cluster.add_node(wait=False, **node_args)
+                cluster.wait_for_nodes()
+                ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+                yield
+            finally:
+                if ray.is_initialized():
+                    ray.shutdown()
+                cluster.shutdown()
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        cluster.shutdown()
+        shutil.rmtree(secret_dir, ignore_errors=True)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

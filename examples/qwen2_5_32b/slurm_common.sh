@@ -50,6 +50,13 @@ print("\n".join(out))
 PY
 }
 
+# This attempt's log folder, $OUTPUT_DIR/logs/<job>/attempt-<n>: a requeued job keeps its
+# job id (SLURM_RESTART_COUNT counts its restarts) and srun truncates its --output files,
+# so each attempt writes into a folder of its own and the earlier attempts' logs stay.
+job_log_dir() {
+  printf '%s/logs/%s/attempt-%s\n' "$OUTPUT_DIR" "${SLURM_JOB_ID:-local}" "${SLURM_RESTART_COUNT:-0}"
+}
+
 # SRUN=(srun on one node ... "$@"), inside the container when CONTAINER_IMAGE is set (pyxis),
 # in REPO_DIR (which the container mounts).
 # shellcheck disable=SC2034  # SRUN is read by the sourcing script

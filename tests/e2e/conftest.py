@@ -1,10 +1,16 @@
-"""A tiny model with the demo's tokenizer and task, shared by the end-to-end tests."""
+"""A tiny model with the demo's tokenizer and task, shared by the end-to-end tests; and\nwhat they check a Ray instance's exposure with (its listening sockets, a client's access)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
+from typing import NamedTuple, Optional
 
+import psutil
 import pytest
 import torch
 
@@ -105,3 +111,49 @@ def run_config(root: Path, out: Path, **overrides) -> dict:
         section, key = dotted.split(".")
         config[section][key] = value
     return config
+
+
+WILDCARD = {"0.0.0.0", "::", "*", ""}
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+class Listener(NamedTuple):
+    pid: int
+    name: str
+    kind: str
+    ip: str
+    port: int
+
+
+def listening_sockets(root: psutil.Process) -> list[Listener]:
+    """Every socket that accepts traffic in ``root`` and all its descendants: TCP sockets
+    in LISTEN and UDP sockets bound to a port but connected to no peer."""
+    found = []
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            name, connections = process.name(), process.net_connections(kind="inet")
+        except psutil.Error:  # ended meanwhile
+            continue
+        for c in connections:
+            tcp = c.type == socket.SOCK_STREAM
+            if (tcp and c.status == psutil.CONN_LISTEN) or (not tcp and c.laddr and c.laddr.port and not c.raddr):
+                found.append(Listener(process.pid, name, "tcp" if tcp else "udp", c.laddr.ip, c.laddr.port))
+    return found
+
+
+CONNECT = "import ray; ray.init(address='{address}', logging_level='ERROR'); print('CONNECTED', ray.cluster_resources()['CPU'])"
+
+
+def ray_client(address: str, token_file: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """A Ray driver in a process of its own on this machine (in Ray's single-machine mode,
+    like the instances under test) connecting to ``address``: with the token in
+    ``token_file``, or without any (``RAY_AUTH_MODE=disabled``). Prints ``CONNECTED <CPUs>``
+    once in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if token_file is None:
+        env["RAY_AUTH_MODE"] = "disabled"
+    else:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
+    command = [sys.executable, "-c", CONNECT.format(address=address)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)

@@ -10,11 +10,7 @@ thought of is caught too.
 from __future__ import annotations
 
 import os
-import socket
 import stat
-import subprocess
-import sys
-from typing import NamedTuple
 
 import psutil
 import pytest
@@ -22,45 +18,12 @@ import pytest
 from dapo_megatron.config import RayConfig, config_from_dict
 from dapo_megatron.orchestration.cluster import TOKEN_FILE, RayCluster
 from dapo_megatron.trainer import train
-from tests.e2e.conftest import run_config
-
-WILDCARD = {"0.0.0.0", "::", "*", ""}
-LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-
-
-class Listener(NamedTuple):
-    pid: int
-    name: str
-    kind: str
-    ip: str
-    port: int
-
-
-def listening_sockets(root: psutil.Process) -> list[Listener]:
-    """Every socket that accepts traffic in ``root`` and all its descendants: TCP sockets
-    in LISTEN and UDP sockets bound to a port but connected to no peer."""
-    found = []
-    for process in [root, *root.children(recursive=True)]:
-        try:
-            name, connections = process.name(), process.net_connections(kind="inet")
-        except psutil.Error:  # ended meanwhile
-            continue
-        for c in connections:
-            tcp = c.type == socket.SOCK_STREAM
-            if (tcp and c.status == psutil.CONN_LISTEN) or (not tcp and c.laddr and c.laddr.port and not c.raddr):
-                found.append(Listener(process.pid, name, "tcp" if tcp else "udp", c.laddr.ip, c.laddr.port))
-    return found
-
-
-CONNECT = "import ray; ray.init(address='{address}', logging_level='ERROR'); print('CONNECTED', ray.cluster_resources()['CPU'])"
+from tests.e2e.conftest import LOOPBACK, WILDCARD, listening_sockets, ray_client, run_config
 
 
 def test_a_client_without_the_token_is_refused(tmp_path):
     import ray
 
-    # A client on this machine, in Ray's single-machine mode like the instance.
-    outside = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    outside["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     before = {k: v for k, v in os.environ.items() if k.startswith(("RAY_AUTH", "RAY_ENABLE"))}
     with RayCluster(RayConfig(), tmp_path / "run", num_cpus=2) as cluster:
         address = ray.get_runtime_context().gcs_address
@@ -71,14 +34,10 @@ def test_a_client_without_the_token_is_refused(tmp_path):
         listening = listening_sockets(psutil.Process())
         assert listening and all(s.ip in LOOPBACK for s in listening), listening
         assert address.startswith("127.0.0.1:")
-
-        def connect(env: dict) -> subprocess.CompletedProcess:
-            command = [sys.executable, "-c", CONNECT.format(address=address)]
-            return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-
-        refused = connect({**outside, "RAY_AUTH_MODE": "disabled"})
+        # A client on this machine, in Ray's single-machine mode like the instance.
+        refused = ray_client(address)
         assert refused.returncode != 0 and "CONNECTED" not in refused.stdout
-        allowed = connect({**outside, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
+        allowed = ray_client(address, token)
         assert allowed.returncode == 0 and "CONNECTED 2.0" in allowed.stdout, allowed.stderr[-2000:]
     # Stopped: the secret is gone and this process's environment is as it was.
     assert not token.exists()

@@ -4,15 +4,19 @@ stand-in ranks and engines; the layouts of the 32B recipe, and what cannot be pl
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from dapo_megatron.config import load_config
 from dapo_megatron.orchestration.calls import MemberFailed
+from tests.e2e.conftest import LOOPBACK, listening_sockets, ray_client
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "qwen2_5_32b" / "dapo.yaml"
@@ -121,3 +125,32 @@ def test_more_engines_than_the_gpus_hold_are_refused_before_anything_starts(caps
 
     assert main(["plan", str(RECIPE), "rollout.num_engines=48", "--rehearse"]) == 2
     assert "rollout.num_engines x rollout.engine_tp_size" in capsys.readouterr().err
+
+
+def test_the_rehearsal_cluster_listens_on_loopback_and_needs_a_token():
+    """The simulated cluster runs whatever a client that reaches it submits, as the user
+    (train.sbatch rehearses on the head node before the job's own token exists): every
+    listener of its processes is on the loopback address, and a client needs its token,
+    a fresh one only the user can read, gone when it stops. Two declared nodes, so an
+    added raylet is checked as well as the head's processes."""
+    import ray
+
+    from dapo_megatron.orchestration.rehearsal import declared_cluster
+
+    before = {k: v for k, v in os.environ.items() if k.startswith(("RAY_AUTH", "RAY_ENABLE"))}
+    with declared_cluster(num_nodes=2, gpus_per_node=0, cpus_per_node=1):
+        assert len([node for node in ray.nodes() if node["Alive"]]) == 2
+        address = ray.get_runtime_context().gcs_address
+        listening = listening_sockets(psutil.Process())
+        assert sum(s.name.startswith("raylet") for s in listening if s.kind == "tcp") >= 2, listening
+        assert all(s.ip in LOOPBACK for s in listening), [s for s in listening if s.ip not in LOOPBACK]
+        assert address.startswith("127.0.0.1:"), address
+        assert os.environ.get("RAY_AUTH_MODE") == "token", os.environ.get("RAY_AUTH_MODE")
+        token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.stat().st_uid == os.getuid()
+        refused = ray_client(address)
+        assert refused.returncode != 0 and "CONNECTED" not in refused.stdout, refused.stdout
+        allowed = ray_client(address, token)
+        assert allowed.returncode == 0 and "CONNECTED 2.0" in allowed.stdout, allowed.stderr[-2000:]
+    assert not token.exists()
+    assert {k: v for k, v in os.environ.items() if k.startswith(("RAY_AUTH", "RAY_ENABLE"))} == before

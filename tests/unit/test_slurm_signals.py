@@ -7,7 +7,9 @@ saves runs for real, not only as printed text."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -19,19 +21,22 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "qwen2_5_32b" / "train.sbatch"
 
 # A step: its task runs in a process group of its own (the step's container), output to
-# --output; the task's pid is recorded for the tests to signal as slurmd would. As srun
-# does, USR1 is forwarded as-is and TERM as SIGKILL to the whole step. The Ray GPU wait
-# succeeds at once.
+# --output, which srun truncates unless --open-mode=append; the task's pid is recorded for
+# the tests to signal as slurmd would. As srun does, USR1 is forwarded as-is and TERM as
+# SIGKILL to the whole step. The Ray GPU wait succeeds at once.
 SRUN = r"""#!/usr/bin/env bash
 out=/dev/null
+mode=truncate
 while [[ $# -gt 0 && "$1" == -* ]]; do
   case "$1" in
     --output=*) out="${1#--output=}" ;;
+    --open-mode=*) mode="${1#--open-mode=}" ;;
     -w) shift ;;
   esac
   shift
 done
 if [[ "$1" == python3 && "$*" == *cluster_resources* ]]; then exit 0; fi
+if [[ "$mode" != append ]]; then : >"$out"; fi
 setsid "$@" >>"$out" 2>&1 &
 task=$!
 echo "$task" >>"$STATE_DIR/steps"
@@ -69,6 +74,7 @@ if sys.argv[1] == "plan":
 got = []
 signal.signal(signal.SIGUSR1, lambda s, f: got.append("USR1"))
 signal.signal(signal.SIGTERM, lambda s, f: got.append("TERM"))
+print("train attempt", os.environ.get("SLURM_RESTART_COUNT", "0"), flush=True)
 open(os.path.join(state, "train.args"), "w").write(" ".join(sys.argv[1:]))
 open(os.path.join(state, "train.pid"), "w").write(str(os.getpid()))
 while not got:
@@ -144,8 +150,9 @@ def _preempt(state: Path) -> None:
             os.kill(task, signal.SIGTERM)
 
 
-def _finish(job, state: Path) -> str:
-    """The job's stderr once it has ended; checks it saved with all 3 Ray nodes up, then stopped Ray."""
+def _finish(job, state: Path, left_behind: tuple[Path, ...] = ()) -> str:
+    """The job's stderr once it has ended; checks it saved with all 3 Ray nodes up, then
+    stopped Ray and removed its token file (``left_behind``: earlier attempts' files)."""
     _, err = job.communicate(timeout=60)
     assert job.returncode == 0, err
     saved = (state / "saved").read_text()
@@ -154,7 +161,7 @@ def _finish(job, state: Path) -> str:
     while any(_alive(pid) for pid in _pids(state / "ray.pids")):
         assert time.monotonic() < deadline, "Ray left running"
         time.sleep(0.05)
-    assert not any((state.parent / "run").glob(".ray_auth_token_*"))  # the job's token removed
+    assert set((state.parent / "run").glob(".ray_auth_token_*")) == set(left_behind)  # the job's token removed
     return err
 
 
@@ -250,3 +257,98 @@ def test_the_job_says_when_a_preemption_cannot_save(cluster_stand_ins, settings,
     assert len(notes) == len(warned), err
     for note, needle in zip(notes, warned):
         assert needle in note and "checkpoint.save_every" in note
+
+
+def _forget_the_job(state: Path) -> None:
+    for name in ("saved", "train.pid", "steps", "ray.pids"):
+        (state / name).unlink(missing_ok=True)
+
+
+def test_a_requeued_job_keeps_the_logs_of_every_attempt(cluster_stand_ins):
+    """A requeued job keeps its job id (SLURM_RESTART_COUNT counts the attempts) and srun
+    truncates its --output files: the second attempt must not overwrite the first's logs.
+    The first attempt is then killed outright, leaving its token file: the next one starts."""
+    env, state = cluster_stand_ins
+    killed = _token_path(env)
+    for attempt in ("0", "1"):
+        _forget_the_job(state)
+        job = _start({**env, "SLURM_RESTART_COUNT": attempt})
+        _wait_for(state / "train.pid")
+        job.send_signal(signal.SIGUSR1)
+        _finish(job, state, left_behind=(killed,) if attempt == "1" else ())
+        if attempt == "0":
+            killed.write_text("a killed attempt's token\n")
+            killed.chmod(0o600)
+    logs = state.parent / "run" / "logs" / "99"
+    train_logs = {str(path.relative_to(logs)): path.read_text() for path in sorted(logs.rglob("train*.log"))}
+    for attempt in ("0", "1"):
+        assert any(f"train attempt {attempt}\n" in text for text in train_logs.values()), train_logs
+    plan_logs = list(logs.rglob("plan*.log"))
+    assert len(plan_logs) == 2, plan_logs
+    assert sorted(train_logs) == ["attempt-0/train.log", "attempt-1/train.log"], train_logs
+
+
+def _token_path(env: dict) -> Path:
+    """The job's token file: one per attempt (a killed attempt's is left behind)."""
+    return Path(env["OUTPUT_DIR"]) / f".ray_auth_token_{env['SLURM_JOB_ID']}_{env.get('SLURM_RESTART_COUNT', '0')}"
+
+
+def _refused(env: dict, state: Path) -> str:
+    """Runs the job, which must stop before starting Ray; its stderr."""
+    job = _start(env)
+    deadline = time.monotonic() + 60
+    while job.poll() is None and not (state / "train.pid").exists():
+        assert time.monotonic() < deadline, "the job neither stopped nor started the trainer"
+        time.sleep(0.05)
+    if job.poll() is None:  # not refused: end the job before failing
+        job.send_signal(signal.SIGUSR1)
+        _, err = job.communicate(timeout=60)
+        pytest.fail(f"the job started Ray and the trainer instead of refusing: {err}")
+    _, err = job.communicate(timeout=60)
+    assert job.returncode != 0, err
+    assert not (state / "ray.pids").exists()  # nothing started on the nodes
+    return err
+
+
+def test_the_job_refuses_a_token_file_that_already_exists(cluster_stand_ins):
+    """Someone else's file at the token's name (readable by all): the job neither writes
+    its secret into it nor removes it, and says which path and what to do."""
+    env, state = cluster_stand_ins
+    token = _token_path(env)
+    token.parent.mkdir(parents=True)
+    token.write_text("planted\n")
+    token.chmod(0o644)
+    err = _refused(env, state)
+    assert str(token) in err and "remove" in err, err
+    assert token.read_text() == "planted\n" and stat.S_IMODE(token.stat().st_mode) == 0o644
+
+
+def test_the_job_refuses_a_symlink_at_the_token_name(cluster_stand_ins, tmp_path):
+    """A link planted at the token's name, to a file or to nothing: the secret is not
+    written through it, and the file it points at is untouched."""
+    env, state = cluster_stand_ins
+    token = _token_path(env)
+    token.parent.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("victim\n")
+    victim.chmod(0o644)
+    for target in (victim, tmp_path / "nowhere"):
+        token.unlink(missing_ok=True)
+        token.symlink_to(target)
+        err = _refused(env, state)
+        assert str(token) in err, err
+        assert token.is_symlink() and not (tmp_path / "nowhere").exists()
+        assert victim.read_text() == "victim\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
+
+
+def test_the_token_file_is_private_while_the_job_runs(cluster_stand_ins):
+    env, state = cluster_stand_ins
+    job = _start(env)
+    _wait_for(state / "train.pid")
+    tokens = list(Path(env["OUTPUT_DIR"]).glob(".ray_auth_token_*"))
+    assert tokens == [_token_path(env)]
+    info = tokens[0].lstat()
+    assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
+    assert re.fullmatch(r"[0-9a-f]{64}\n?", tokens[0].read_text())
+    job.send_signal(signal.SIGUSR1)
+    _finish(job, state)
