@@ -5,8 +5,9 @@ One executable with a sub-command per task (``config``, ``plan``, ``train``, ``e
 components lazily, so ``dapo-megatron --help`` and ``dapo-megatron config`` work on any
 machine, with or without megatron's GPU extras. Exit status: 0 on success, 2 for a
 config or usage error (with a message that names the key, the value and the rule), 1 for
-a failure while running (a dead worker, a diverged run, dynamic sampling exhausted), 75
-when ``train`` stopped on SIGTERM/SIGUSR1 after saving (run it again with ``--resume``),
+a failure while running (a dead or hung worker, a diverged run, dynamic sampling
+exhausted), 75 when ``train`` stopped on SIGTERM/SIGUSR1 after saving, or without the
+save when it did not fit in ``trainer.stop_grace_s`` (run it again with ``--resume``),
 128 + the signal's number when such a signal came while it was still starting (nothing
 to save), 130 on Ctrl-C.
 """
@@ -97,7 +98,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
     from dapo_megatron.algo import DynamicSamplingExhausted
     from dapo_megatron.orchestration.calls import MemberFailed
-    from dapo_megatron.step import StartupInterrupted
+    from dapo_megatron.rollout.engine import WeightSyncError
+    from dapo_megatron.step import GenerationAheadFailed, StaleBatch, StartupInterrupted, StopOutOfTime
 
     try:
         result = train(config, resume=args.resume or args.resume_from is not None, resume_from=args.resume_from)
@@ -110,7 +112,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except StartupInterrupted as exc:
         print(f"dapo-megatron train: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    except MemberFailed as exc:
+    except StopOutOfTime as exc:  # the job is still requeued: it resumes from the previous checkpoint
+        print(f"dapo-megatron train: error: {exc}", file=sys.stderr)
+        print(f"dapo-megatron train: {_resume_hint(config, args.resume)}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except (MemberFailed, WeightSyncError, GenerationAheadFailed, StaleBatch) as exc:
+        # A member failed, hung or fell behind: the same message whichever it was.
         print(f"dapo-megatron train: error: {exc}", file=sys.stderr)
         print(f"dapo-megatron train: {_resume_hint(config, args.resume)}", file=sys.stderr)
         return 1

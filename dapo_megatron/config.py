@@ -118,6 +118,17 @@ class RolloutConfig:
     on their own devices receive weights by broadcast over a weight-update group."""
     weight_sync_bucket_mb: int = 512
     """Size of the buckets in which weights are streamed to the engines."""
+    generate_timeout_s: float = 0.0
+    """The longest one generation call on an engine (its share of a round, or a streamed
+    tick) may take before the run fails naming the engine as hung (with the ``--resume``
+    hint), instead of holding the job until its time limit. 0 = derived from the work:
+    600 s plus ``max_response_length`` tokens at 5 tokens/s per row (the 32B recipe's
+    20,480 tokens: 78 minutes)."""
+    weight_sync_timeout_s: float = 0.0
+    """The longest one call of a weight update on an engine may take (opening the
+    session, taking one bucket, closing or aborting it) before the run fails naming the
+    engine. 0 = derived from the bytes moved: 120 s plus one ``weight_sync_bucket_mb``
+    bucket at 10 MB/s."""
     seed: int = 1234
     """Seed of the rollout samplers (a distinct one per step, round and engine; SGLang
     gives each response row its own on top). The transformers engine reproduces its
@@ -192,6 +203,13 @@ class AlgorithmConfig:
     """Reward function: a registered name (``dapo_math``, ``math_verify``) or ``module:function``."""
     reward_timeout_s: float = 5.0
     """Time bound of one reward call; a call that exceeds it scores as wrong."""
+    reward_worker_memory_mb: int = 4096
+    """Memory cap of each reward worker process (the processes that run reward functions
+    not bounded by construction, e.g. ``math_verify`` or ``module:function``), in MiB of
+    address space beyond what the worker has mapped once Python and its imports are up; 0
+    = no cap. A call that allocates past it gets a ``MemoryError`` and scores as a reward
+    error (``reward_error_score``, counted in ``reward/errors``) instead of running the
+    machine out of memory."""
     use_kl_loss: bool = False
     """Add ``kl_loss_coef`` x KL(π_θ ‖ π_ref) to the loss, π_ref being the initial policy
     (the run's initial weights, held frozen by every actor rank without gradients or
@@ -307,6 +325,13 @@ class TrainerConfig:
     has enough)."""
     output_dir: str = "runs/dapo"
     """Run folder: the resolved config, logs and (by default) checkpoints go here."""
+    stop_grace_s: float = 240.0
+    """After SIGTERM or SIGUSR1 (a SLURM preemption or time limit): the seconds the run
+    has to stop with a checkpoint. Generation in flight is abandoned at once, the actor's
+    work in flight (log-probs, updates) finishes and the last completed step is saved;
+    past this bound the run stops without that save (exit 75, the previous checkpoint
+    stays the latest) so that the job is requeued before SLURM kills it. Keep it below
+    the job's ``--signal`` lead time (``plan --signal-lead-s`` checks both)."""
     max_bad_steps_in_a_row: int = 3
     """A step with a NaN or infinite loss or gradient skips those updates (no weight
     changes) and is logged; this many such steps in a row stop the run with the step and
@@ -538,6 +563,31 @@ def checkpoint_save_dir(config: Config) -> Path:
     return Path(config.checkpoint.save_dir or Path(config.trainer.output_dir) / "checkpoints")
 
 
+GENERATE_FLOOR_S = 600.0
+"""The derived generation bound's fixed part (an engine's queue, prefill, a slow start)."""
+SLOWEST_ROW_TOKENS_PER_S = 5.0
+"""The derived generation bound's decode rate per response row: several times below any
+engine's on the hardware it serves (a 32B model on SGLang decodes 20-40 tokens/s a row)."""
+SYNC_CALL_FLOOR_S = 120.0
+"""The derived weight-sync bound's fixed part (opening or closing an engine's session)."""
+SLOWEST_SYNC_MB_PER_S = 10.0
+"""The derived weight-sync bound's copy rate, far below any link's (CUDA IPC, NCCL, gloo)."""
+
+
+def generate_bound_s(rollout: RolloutConfig) -> float:
+    """``rollout.generate_timeout_s``, or the bound derived from the tokens a row generates."""
+    if rollout.generate_timeout_s:
+        return rollout.generate_timeout_s
+    return GENERATE_FLOOR_S + rollout.max_response_length / SLOWEST_ROW_TOKENS_PER_S
+
+
+def weight_sync_bound_s(rollout: RolloutConfig) -> float:
+    """``rollout.weight_sync_timeout_s``, or the bound derived from a bucket's bytes."""
+    if rollout.weight_sync_timeout_s:
+        return rollout.weight_sync_timeout_s
+    return SYNC_CALL_FLOOR_S + rollout.weight_sync_bucket_mb / SLOWEST_SYNC_MB_PER_S
+
+
 def hf_weights_folder(model: ModelConfig) -> Optional[Path]:
     """The HF folder the run's initial weights and default tokenizer come from."""
     if model.hf_weights is not None:
@@ -637,7 +687,7 @@ def _validate_ranges(config: Config, fail) -> None:
     if p.gpu_memory_gb <= 0:
         fail(("parallel.gpu_memory_gb",), f"parallel.gpu_memory_gb={p.gpu_memory_gb} must be > 0")
     positive(d, "data", "train_batch_size", "gen_batch_size", "mini_batch_size")
-    positive(t, "trainer", "num_steps", "micro_batch_max_tokens")
+    positive(t, "trainer", "num_steps", "micro_batch_max_tokens", "stop_grace_s")
     # Counts where 0 means "never" or "all"; a negative one has no meaning (a negative
     # keep_last would delete the newest checkpoints).
     for dotted, meaning in (
@@ -645,6 +695,8 @@ def _validate_ranges(config: Config, fail) -> None:
         ("checkpoint.keep_last", "0 keeps every checkpoint"),
         ("trainer.val_every", "0 disables validation during the run"),
         ("logging.log_every", "0 and 1 print every step"),
+        ("rollout.generate_timeout_s", "0 derives the bound from rollout.max_response_length"),
+        ("rollout.weight_sync_timeout_s", "0 derives the bound from rollout.weight_sync_bucket_mb"),
     ):
         section, name = dotted.split(".")
         value = getattr(getattr(config, section), name)
@@ -846,6 +898,11 @@ def _validate_algorithm(config: Config, fail) -> None:
         fail(("algorithm.reward_error_score",), f"algorithm.reward_error_score={a.reward_error_score} must be finite")
     if a.reward_timeout_s <= 0:
         fail(("algorithm.reward_timeout_s",), f"algorithm.reward_timeout_s={a.reward_timeout_s} must be > 0")
+    if a.reward_worker_memory_mb < 0:
+        fail(
+            ("algorithm.reward_worker_memory_mb",),
+            f"algorithm.reward_worker_memory_mb={a.reward_worker_memory_mb} must be >= 0 (0 = no cap)",
+        )
     if config.trainer.async_generation and r.colocate and config.parallel.device == "cuda":
         fail(
             ("trainer.async_generation", "rollout.colocate", "parallel.device"),

@@ -93,6 +93,7 @@ def evaluate(
             config.algorithm.reward_timeout_s,
             min(os.cpu_count() or 1, 8),
             error_score=config.algorithm.reward_error_score,
+            memory_mb=config.algorithm.reward_worker_memory_mb,
         )
         stack.callback(rewards.close)
         engines = RolloutWorkers(config, str(weights))

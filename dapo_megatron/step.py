@@ -74,18 +74,57 @@ class StartupInterrupted(BaseException):
         self.signal_name, self.signum = signal_name, signum
 
 
-class StopRequest:
-    """Catches the preemption signals while a run is live: the first is remembered (the
-    step in progress finishes, then the run saves and stops); later ones are only logged,
-    so a second signal cannot interrupt the save. Until :meth:`running` is called (the
-    system is still starting: placing ranks, loading weights), a signal raises
-    :class:`StartupInterrupted` instead: a start that waits on resources must not keep a
-    job's allocation, or leave its files, after it was told to stop."""
+class StopNow(BaseException):
+    """A preemption signal arrived while the run waited for generation (see
+    :meth:`StopRequest.abortable`): what is being generated is abandoned, and the run
+    saves the last step it completed. Not an ``Exception``, for the reason
+    :class:`StartupInterrupted` is not."""
 
-    def __init__(self) -> None:
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"received {signal_name}: the generation in flight is abandoned")
+        self.signal_name = signal_name
+
+
+class StopOutOfTime(BaseException):
+    """Stopping after a preemption signal (finishing the actor's work in flight, saving)
+    took longer than ``trainer.stop_grace_s``: the run ends without that save, its
+    previous checkpoint the latest, so that the job is requeued before SLURM kills it."""
+
+    def __init__(self, signal_name: str, grace_s: float) -> None:
+        super().__init__(
+            f"stopping after {signal_name} took longer than trainer.stop_grace_s={grace_s:g} s; the run ended without "
+            "saving the step in progress"
+        )
+        self.signal_name, self.grace_s = signal_name, grace_s
+
+
+STOP_BACKSTOP_S = 60.0
+"""After ``trainer.stop_grace_s``, how long the run's own clean-up may take (it stops its
+workers, each within a bound) before the process exits regardless."""
+
+
+class StopRequest:
+    """Catches the preemption signals while a run is live. The first is remembered: the
+    generation in flight, if the run is waiting for one, is abandoned at once
+    (:meth:`abortable`), the actor's work in flight finishes, the last completed step is
+    saved and the run stops; later ones are only logged, so a second signal cannot
+    interrupt the save. All of it within ``grace_s`` (``trainer.stop_grace_s``): past it,
+    the next signal handler call raises :class:`StopOutOfTime` wherever the main thread
+    is, and :data:`STOP_BACKSTOP_S` later the process exits with status 75.
+
+    Until :meth:`running` is called (the system is still starting: placing ranks, loading
+    weights), a signal raises :class:`StartupInterrupted` instead: a start that waits on
+    resources must not keep a job's allocation, or leave its files, after it was told to
+    stop."""
+
+    def __init__(self, grace_s: float = float("inf")) -> None:
         self.signal_name: Optional[str] = None
         self.starting = True
         self.interrupted: Optional[StartupInterrupted] = None
+        self.grace_s = grace_s
+        self.out_of_time = False
+        self._abortable = False
+        self._timers: list[threading.Timer] = []
 
     def running(self) -> None:
         """The system has started: from now on a signal stops the run after its step.
@@ -101,6 +140,19 @@ class StopRequest:
         if self.interrupted is not None:
             raise self.interrupted
 
+    @contextmanager
+    def abortable(self) -> Iterator[None]:
+        """Around a wait for generation that a stop may abandon: a signal that came before
+        it or comes during it raises :class:`StopNow` (the caller keeps, or restores, the
+        state from before the generation began)."""
+        if self.signal_name is not None and not self.starting:
+            raise StopNow(self.signal_name)
+        self._abortable = True
+        try:
+            yield
+        finally:
+            self._abortable = False
+
     def __call__(self, signum, frame) -> None:
         import signal
 
@@ -109,16 +161,70 @@ class StopRequest:
             if self.interrupted is None:
                 self.interrupted = StartupInterrupted(name, signum)
             raise self.interrupted
-        if self.signal_name is None:
-            self.signal_name = name
-            logger.warning("received %s: finishing this step, then saving a checkpoint and stopping", name)
-        else:
+        if self.out_of_time:
+            self.out_of_time = False  # raised once; the clean-up that follows must run
+            raise StopOutOfTime(self.signal_name, self.grace_s)
+        if self.signal_name is not None:
             logger.warning("received %s again: already stopping; the checkpoint being written is kept", name)
+            return
+        self.signal_name = name
+        self._start_grace_clock()
+        if self._abortable:
+            logger.warning(
+                "received %s: abandoning the generation in flight, saving the last completed step and stopping "
+                "(within trainer.stop_grace_s=%g s)",
+                name,
+                self.grace_s,
+            )
+            raise StopNow(name)
+        logger.warning(
+            "received %s: finishing the actor's work in flight, then saving a checkpoint and stopping (within "
+            "trainer.stop_grace_s=%g s)",
+            name,
+            self.grace_s,
+        )
+
+    def _start_grace_clock(self) -> None:
+        """At ``grace_s``: interrupt the main thread (a real signal, so that a blocking
+        call returns) with :class:`StopOutOfTime`; :data:`STOP_BACKSTOP_S` later, exit."""
+        import signal
+
+        if self.grace_s == float("inf"):
+            return
+        main = threading.main_thread().ident
+
+        def out_of_time() -> None:
+            logger.error("trainer.stop_grace_s=%g s have passed since the stop signal: ending the run", self.grace_s)
+            self.out_of_time = True
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+        def backstop() -> None:
+            logger.error("the run's clean-up did not end within %g s: exiting", STOP_BACKSTOP_S)
+            logging.shutdown()
+            os._exit(75)
+
+        self._timers = [
+            threading.Timer(self.grace_s, out_of_time),
+            threading.Timer(self.grace_s + STOP_BACKSTOP_S, backstop),
+        ]
+        for timer in self._timers:
+            timer.daemon = True
+            timer.start()
+
+    def saved(self) -> None:
+        """The stop's checkpoint is written: nothing is interrupted any more (the clean-up
+        that follows stays under the backstop)."""
+        if self._timers:
+            self._timers[0].cancel()
+
+    def cancel(self) -> None:
+        """The run has ended: the grace clock stops."""
+        for timer in self._timers:
+            timer.cancel()
 
     @contextmanager
     def installed(self) -> Iterator[StopRequest]:
         import signal
-        import threading
 
         if threading.current_thread() is not threading.main_thread():
             yield self  # signals reach only the main thread; nothing to install
@@ -127,6 +233,7 @@ class StopRequest:
         try:
             yield self
         finally:
+            self.cancel()
             for name, handler in previous.items():
                 signal.signal(getattr(signal, name), handler)
 
@@ -147,7 +254,10 @@ class System:
         they generate with ``version`` (the actor step the weights come from)."""
         r = self.config.rollout
         stats = self.actor.sync_weights(
-            self.engines.handles, r.weight_sync_bucket_mb * 2**20, self.engines.num_update_ranks
+            self.engines.handles,
+            r.weight_sync_bucket_mb * 2**20,
+            self.engines.num_update_ranks,
+            names=self.engines.names,
         )
         self.engines.set_weight_version(version)
         return stats
@@ -167,12 +277,13 @@ def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
     cpus = max(os.cpu_count() or 1, config.parallel.world_size + r.num_engines + 1)
     stack.enter_context(RayCluster(config.ray, run_dir, config.ray.num_cpus or cpus))
     # After ray.init, which installs its own SIGTERM handler (it would end the process).
-    stop = stack.enter_context(StopRequest().installed())
+    stop = stack.enter_context(StopRequest(config.trainer.stop_grace_s).installed())
     rewards = RewardPool(
         config.algorithm.reward_fn,
         config.algorithm.reward_timeout_s,
         min(os.cpu_count() or 1, 8),
         error_score=config.algorithm.reward_error_score,
+        memory_mb=config.algorithm.reward_worker_memory_mb,
     )
     stack.callback(rewards.close)
     asked: list[RolloutWorkers] = []
@@ -322,6 +433,9 @@ class Stepper:
         self.ahead: Optional[tuple[list[Sample], dict[str, float], dict[str, float]]] = None
         self.failed_ahead: Optional[GenerationAheadFailed] = None
         self.engines_behind = False  # the last step's sync was skipped
+        # The state a checkpoint of the actor's weights keeps when the step that followed
+        # them was abandoned on a stop signal (see :meth:`checkpoint_state`).
+        self.abandoned: Optional[RunState] = None
         self.histograms: dict[str, torch.Tensor] = {}  # the last step's distributions (name -> values)
 
     def close(self) -> None:
@@ -364,12 +478,22 @@ class Stepper:
         start = time.perf_counter()
         if self.failed_ahead is not None or self.engines_behind:
             raise RuntimeError("step() after a failed generation ahead: the engines were not synced")
+        stop = self.system.stop
         if self.ahead is not None:
             (samples, rollout_metrics, times), self.ahead = self.ahead, None
         else:
-            samples, rollout_metrics, times = self._generate(step)
+            before = self.checkpoint_state()  # before this step draws a prompt
+            try:
+                with stop.abortable():
+                    samples, rollout_metrics, times = self._generate(step)
+            except StopNow:
+                self.abandoned = before
+                raise
         staleness = check_staleness(samples, self.version, step, allowed_staleness(config))
-        pending = _in_background(self._generate, step + 1) if self.asynchronous and generate_ahead else None
+        pending, before_ahead = None, None
+        if self.asynchronous and generate_ahead:
+            before_ahead = RunState(self.loader.state_dict(), None, None)
+            pending = _in_background(self._generate, step + 1)
 
         # 5. Advantages by prompt identity; old log-probs; DAPO updates.
         batch = build_policy_batch(samples, a)
@@ -412,16 +536,23 @@ class Stepper:
         if pending is not None:
             with _timed(times, "wait_for_generation"):
                 try:
-                    self.ahead = pending.result()
+                    with stop.abortable():
+                        self.ahead = pending.result()
+                except StopNow:
+                    # This step is trained; the next one's generation (its prompts drawn
+                    # in the background) is abandoned: the checkpoint keeps the data
+                    # position from before it, and a resumed run generates that batch anew.
+                    self.abandoned = before_ahead
                 except Exception as exc:
                     logger.error("step %d: generating step %d's batch failed: %s", step, step + 1, cause_of(exc))
                     self.failed_ahead = GenerationAheadFailed(step + 1, exc)
 
-        # 6. Weight sync into every engine (not into engines whose generation just failed).
+        # 6. Weight sync into every engine (not into engines whose generation just failed,
+        # nor when the run stops: the engines stop with it).
         if release:
             give_engines_their_memory_back(actor, engines)
         sync = SyncStats(0.0, 0, 0, 0)
-        if self.failed_ahead is None:
+        if self.failed_ahead is None and stop.signal_name is None:
             with _timed(times, "sync"):
                 sync = self.sync()
         else:
@@ -449,13 +580,33 @@ class Stepper:
         failure, self.failed_ahead = self.failed_ahead, None
         return failure
 
-    def state_dict(self) -> Optional[tuple[list[Sample], dict[str, float], dict[str, float]]]:
-        """The batch generated ahead (async mode): samples, rollout metrics, phase seconds;
-        None when there is none."""
-        return self.ahead
+    def checkpoint_state(self) -> RunState:
+        """What a checkpoint of the actor's current weights keeps besides them: the data
+        position, the batch generated ahead, the streamed groups carried over. After a
+        stop abandoned the step in progress (:class:`StopNow`), the state from before that
+        step drew its prompts, so that a resumed run takes that step whole, as an
+        uninterrupted run would have."""
+        if self.abandoned is not None:
+            return self.abandoned
+        stream = self.stream.state_dict() if self.stream is not None else None
+        return RunState(self.loader.state_dict(), self.ahead, stream)
 
     def load_state_dict(self, state: Optional[tuple[list[Sample], dict[str, float], dict[str, float]]]) -> None:
+        """The batch generated ahead, from a checkpoint (see :meth:`checkpoint_state`)."""
         self.ahead = state
+
+
+@dataclass
+class RunState:
+    """What a checkpoint keeps besides the actor (see :meth:`Stepper.checkpoint_state`)."""
+
+    data: dict
+    """The prompt loader's position (:meth:`PromptLoader.state_dict`)."""
+    ahead: Optional[tuple[list[Sample], dict[str, float], dict[str, float]]]
+    """Async generation: the next step's batch, its rollout metrics and phase seconds."""
+    stream: Optional[dict]
+    """Streamed generation: the groups carried over and the partial responses
+    (:meth:`StreamingSampler.state_dict`)."""
 
 
 @contextmanager

@@ -32,8 +32,7 @@ import torch
 from dapo_megatron.actor.checkpoint import checkpoint_dir, list_checkpoints, point_latest_at
 from dapo_megatron.ckpt.convert import export_hf
 from dapo_megatron.ckpt.dcp_io import LATEST, checkpoint_problem, latest_checkpoint
-from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir
-from dapo_megatron.data import PromptLoader
+from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir, source_of
 from dapo_megatron.evaluation import evaluate_policy
 from dapo_megatron.experience import load_samples, save_samples
 from dapo_megatron.orchestration.actor_group import ActorGroup
@@ -42,6 +41,7 @@ from dapo_megatron.preflight import preflight
 from dapo_megatron.step import (
     GenerationAheadFailed,
     Stepper,
+    StopNow,
     load_initial_weights,
     load_run_data,
     reference_weights,
@@ -54,10 +54,14 @@ logger = logging.getLogger(__name__)
 
 
 class Preempted(Exception):
-    """The run was asked to stop by a signal; it finished its step and saved a checkpoint."""
+    """The run was asked to stop by a signal and saved a checkpoint of its last completed
+    step (``abandoned``: the step whose generation was in flight, and abandoned)."""
 
-    def __init__(self, signal_name: str, step: int, checkpoint: str) -> None:
-        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint {checkpoint}; continue with --resume")
+    def __init__(self, signal_name: str, step: int, checkpoint: str, abandoned: Optional[int] = None) -> None:
+        during = f" (step {abandoned}'s generation abandoned: it runs whole after --resume)" if abandoned else ""
+        super().__init__(
+            f"stopped by {signal_name} after step {step}{during}; checkpoint {checkpoint}; continue with --resume"
+        )
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
 
 
@@ -154,7 +158,9 @@ def train(
     if point is not None and start_step >= config.trainer.num_steps:
         logger.info("%s is at step %d of %d: the run is complete", point[0], start_step, config.trainer.num_steps)
         return TrainResult(run_dir, start_step, None, None, str(point[0]), already_complete=True)
-    earlier_attempt = point is None and _earlier_attempt(run_dir, save_dir)
+    if point is None:
+        _refuse_a_save_dir_with_checkpoints(config, save_dir)
+    earlier_attempt = point is None and _earlier_attempt(run_dir)
     reference = reference_weights(config)  # refused before anything starts
     tokenizer, train_data, val_data, loader = load_run_data(config)
     if point is not None:
@@ -207,21 +213,21 @@ def train(
         def save(step: int) -> str:
             """The actor's checkpoint of ``step``, with the trainer's state inside it, and
             the batch generated ahead (async) written once by the driver, in binary."""
-            ahead, moved = stepper.state_dict(), {}
-            if ahead is not None:
+            kept, moved = stepper.checkpoint_state(), {}
+            if kept.ahead is not None:
                 partial = Path(save_dir) / f".{GENERATED_AHEAD}.step_{step}.partial"
                 partial.parent.mkdir(parents=True, exist_ok=True)
-                samples, rollout_metrics, times = ahead
+                samples, rollout_metrics, times = kept.ahead
                 save_samples(partial, samples, {"metrics": rollout_metrics, "times": times})
                 moved[GENERATED_AHEAD] = str(partial)
-            if stepper.stream is not None:  # carried groups and partial responses
+            if kept.stream is not None:  # carried groups and partial responses
                 partial = Path(save_dir) / f".{STREAM_STATE}.step_{step}.partial"
                 partial.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(stepper.stream.state_dict(), partial)
+                torch.save(kept.stream, partial)
                 moved[STREAM_STATE] = str(partial)
             state = _trainer_state(
                 step,
-                loader,
+                kept.data,
                 config,
                 len(train_data.prompts),
                 GENERATED_AHEAD if GENERATED_AHEAD in moved else None,
@@ -256,7 +262,14 @@ def train(
             # 1-6. Generate, score and filter; log-probs and updates; weight sync. A
             # batch generated ahead is part of a checkpoint's state: generate the next one
             # also at the last step when it saves, so that a continued run is the same.
-            step_metrics = stepper.step(step, generate_ahead=step < config.trainer.num_steps or bool(due))
+            try:
+                step_metrics = stepper.step(step, generate_ahead=step < config.trainer.num_steps or bool(due))
+            except StopNow:
+                # The step's generation was abandoned: the checkpoint is of the step before,
+                # with the data position from before this one drew its prompts.
+                last_checkpoint = save(stepper.version)
+                stop.saved()
+                raise Preempted(stop.signal_name, stepper.version, last_checkpoint, abandoned=step) from None
 
             # 7. Metrics, checkpoint, validation. A failed generation ahead costs nothing
             # of this step: it is logged and saved first.
@@ -273,10 +286,17 @@ def train(
                 # The last step's batch ahead was only for the checkpoint: training is done.
                 logger.warning("%s; training is complete and saved in %s", failed, last_checkpoint)
                 stepper.sync()  # the engines serve the final weights for validation and export
-            if stop.signal_name is not None:
-                raise Preempted(stop.signal_name, step, last_checkpoint)
             if config.trainer.val_every and step % config.trainer.val_every == 0 and step != config.trainer.num_steps:
-                validate(step)
+                try:
+                    with stop.abortable():  # a stop abandons validation, as it does generation
+                        validate(step)
+                except StopNow:
+                    pass
+            if stop.signal_name is not None:
+                if last_checkpoint is None or Path(last_checkpoint) != checkpoint_dir(save_dir, step):
+                    last_checkpoint = save(step)  # the signal came after the step's own save
+                stop.saved()
+                raise Preempted(stop.signal_name, step, last_checkpoint)
         if config.trainer.val_before_train or config.trainer.val_every:
             val_after = validate(config.trainer.num_steps)
         if config.checkpoint.export_hf and config.model.hf_config is None:
@@ -324,7 +344,7 @@ def _setting(config: Config, dotted: str):
 
 
 def _trainer_state(
-    step: int, loader: PromptLoader, config: Config, num_prompts: int, ahead: Optional[str], stream: Optional[str]
+    step: int, data: dict, config: Config, num_prompts: int, ahead: Optional[str], stream: Optional[str]
 ) -> str:
     """What a resumed run needs besides the actor: the step, the data position, what the
     rollout seeds derive from and the settings the data position depends on, and (async
@@ -337,7 +357,7 @@ def _trainer_state(
     return json.dumps(
         {
             "step": step,
-            "data": loader.state_dict(),
+            "data": data,
             "num_prompts": num_prompts,
             "rollout_seed": config.rollout.seed,
             "settings": {key: _setting(config, key) for key in RESUME_KEYS},
@@ -425,22 +445,31 @@ def _resume_point(config: Config, save_dir: str, explicit: Optional[str | Path] 
     return _checked(path)
 
 
-def _has_checkpoint(save_dir: str) -> bool:
-    return bool(list_checkpoints(save_dir)) or (Path(save_dir) / LATEST).exists()
+def _refuse_a_save_dir_with_checkpoints(config: Config, save_dir: str) -> None:
+    """A run started without resume writes its checkpoints from step 1 on: into a folder
+    that holds checkpoints (another run's, or this run's from an earlier attempt) it
+    would replace theirs of the same steps and move ``latest`` backwards. Refused, naming
+    the folder, before anything is touched."""
+    found = [p.name for p in list_checkpoints(save_dir)]
+    if (Path(save_dir) / LATEST).exists():
+        found.append(LATEST)
+    if not found:
+        return
+    key = "checkpoint.save_dir" if config.checkpoint.save_dir else "trainer.output_dir (its checkpoints/ folder)"
+    shown = ", ".join(found if len(found) <= 4 else [found[0], "...", *found[-2:]])
+    raise ConfigError(
+        f"{source_of(config, key.split()[0])}: {key}: {save_dir} already holds checkpoints ({shown}); a run "
+        "started without --resume would overwrite them. Pass --resume to continue the run they belong to, or "
+        "choose another checkpoint.save_dir (nothing in it was touched)"
+    )
 
 
-def _earlier_attempt(run_dir: Path, save_dir: str) -> bool:
-    """Whether ``run_dir`` holds an earlier attempt that left no checkpoint (it is reused,
-    its files set aside when the run starts); a run with checkpoints is refused."""
+def _earlier_attempt(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds an earlier attempt (its save folder holds no checkpoint:
+    see :func:`_refuse_a_save_dir_with_checkpoints`); it is reused, its files set aside
+    when the run starts."""
     earlier = run_dir / "metrics.jsonl"
-    if not (earlier.exists() and earlier.stat().st_size):
-        return False
-    if _has_checkpoint(save_dir):
-        raise ConfigError(
-            f"trainer.output_dir={str(run_dir)!r} already holds a run with checkpoints in {save_dir}; pass --resume "
-            "to continue it, or choose another trainer.output_dir (nothing in it is touched)"
-        )
-    return True
+    return earlier.exists() and earlier.stat().st_size > 0
 
 
 EARLIER_ATTEMPT_FILES = ("metrics.jsonl", "tensorboard", "config.yaml")

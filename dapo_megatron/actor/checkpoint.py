@@ -5,8 +5,9 @@ reshards across tensor/pipeline/data-parallel layouts), the LR scheduler, the RN
 and the rollout step. It is written into ``step_NNNNNNNN.tmp`` and renamed to
 ``step_NNNNNNNN`` only after every rank has finished, and ``latest`` is replaced
 atomically afterwards, so a crash mid-save never leaves a folder that looks complete and
-never moves ``latest`` to a broken checkpoint. Old checkpoints beyond ``keep_last`` are
-deleted only after a save succeeded.
+never moves ``latest`` to a broken checkpoint; its files and folders are fsynced before
+each rename, so that a power loss does not either. Old checkpoints beyond ``keep_last``
+are deleted only after a save succeeded, never the one it published.
 
 RNG states are per (pipeline, tensor) rank; they are restored only when the checkpoint
 was written with the same layout (otherwise megatron's trackers are re-seeded from the
@@ -46,11 +47,47 @@ def list_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
     return sorted(p for p in Path(save_dir).glob(f"{_STEP_PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file or a folder: its entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_checkpoint(staging: Path, final: Path) -> None:
+    """Rename the written checkpoint ``staging`` to ``final``, after its files and folders
+    are on the disk: a power loss after the rename never leaves a ``final`` (or a
+    ``latest`` naming it) with files that were still in the page cache."""
+    for folder, _, files in os.walk(staging):
+        for name in files:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder))
+    staging.rename(final)
+    _fsync(final.parent)
+
+
 def point_latest_at(save_dir: str | os.PathLike, checkpoint: Path, step: int) -> None:
-    """Make ``latest`` name ``checkpoint`` (of ``step``), atomically, as a save does."""
+    """Make ``latest`` name ``checkpoint`` (of ``step``), atomically and durably, as a save does."""
     staged = Path(save_dir) / (LATEST + ".tmp")
-    staged.write_text(json.dumps({"step": step, "path": checkpoint.name}) + "\n")
+    with open(staged, "w") as f:
+        f.write(json.dumps({"step": step, "path": checkpoint.name}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     staged.replace(Path(save_dir) / LATEST)
+    _fsync(Path(save_dir))
+
+
+def prune_checkpoints(save_dir: str | os.PathLike, final: Path, keep_last: int) -> None:
+    """Delete the checkpoints older than ``final`` (just published) beyond the newest
+    ``keep_last`` (``final`` included; 0 keeps every one). ``final`` is never deleted,
+    and nor is a later checkpoint (one a ``--resume-from`` run has not reached again)."""
+    if keep_last <= 0:
+        return
+    older = [p for p in list_checkpoints(save_dir) if p.name < final.name]
+    for old in older[: max(len(older) - (keep_last - 1), 0)]:
+        shutil.rmtree(old)
 
 
 def _layout(actor) -> dict:
@@ -246,13 +283,11 @@ def save_checkpoint(
             (staging / name).write_text(text)
         for name, source in (moved_files or {}).items():
             shutil.move(source, staging / name)
-        if final.exists():
+        if final.exists():  # this run's own, from before a --resume-from (the trainer refuses another run's)
             shutil.rmtree(final)
-        staging.rename(final)
+        publish_checkpoint(staging, final)
         point_latest_at(save_dir, final, actor.rollout_step)
-        if keep_last > 0:
-            for old in list_checkpoints(save_dir)[:-keep_last]:
-                shutil.rmtree(old)
+        prune_checkpoints(save_dir, final, keep_last)
     dist.barrier()
     logger.info("saved checkpoint of step %d to %s", actor.rollout_step, final)
     return final

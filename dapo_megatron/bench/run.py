@@ -321,7 +321,7 @@ class _Bench:
 
         a = self.config.algorithm
         responses, truths = reward_mix(self.options.reward_responses, self.options.reward_chars)
-        scorer = RewardScorer(a.reward_fn, a.reward_timeout_s)
+        scorer = RewardScorer(a.reward_fn, a.reward_timeout_s, memory_mb=a.reward_worker_memory_mb)
         record: dict = {"responses": len(responses), "chars_per_response": self.options.reward_chars}
         with _one_core():
             reset_peak_memory(torch.device("cpu"))

@@ -11,7 +11,8 @@ Output goes to ``<out>.tmp-<pid>`` and is renamed to ``<out>`` only once it is c
 and, with ``verify``, its logits match ``transformers``' own model of the family on the same
 prompts. An existing ``<out>`` is refused unless ``overwrite`` is set, and even then it is
 replaced only after the new one is complete, so a failed conversion never loses data or
-leaves a folder that looks finished.
+leaves a folder that looks finished. An ``<out>`` that is an input, or contains one, is
+refused up front: replacing it would delete the input.
 """
 
 from __future__ import annotations
@@ -84,6 +85,24 @@ def _shape_from_hf_config(path: str | os.PathLike) -> ModelShape:
         return ModelShape.from_model_config(read_hf_model_shape(path))
     except ConfigError as exc:
         raise ConversionError(str(exc).replace("model.hf_config=", "config ")) from None
+
+
+def _refuse_output_over_input(out: Path, inputs: dict[str, Path]) -> None:
+    """Refuse an ``out`` that is one of ``inputs`` (what -> path) or contains one.
+
+    Publishing replaces ``out`` whole, so with ``overwrite`` a conversion that succeeded
+    would delete such an input; without it, "already exists" would hide the real problem.
+    An ``out`` inside an input is allowed: it only adds a folder there (the inputs are read
+    by name: HF safetensors and config files at the top, DCP files by its index)."""
+    target = out.resolve()
+    for what, path in inputs.items():
+        source = path.resolve()
+        if source == target or target in source.parents:
+            relation = "is" if source == target else "contains"
+            raise ConversionError(
+                f"output folder {out} {relation} the input {what} {path}; replacing it would delete the input: "
+                f"choose an --out outside {source}"
+            )
 
 
 def _prepare_output(out: Path, overwrite: bool) -> Path:
@@ -210,6 +229,7 @@ def hf_to_megatron(
     ``dtype``: cast tensors to this dtype (default: as stored in the HF files).
     """
     hf_dir, out = Path(hf_dir), Path(out)
+    _refuse_output_over_input(out, {"--hf-dir": hf_dir})
     shape = _shape_from_hf_config(hf_dir)
     hf = HFCheckpoint(hf_dir)
     hf.check_against(shape)
@@ -330,6 +350,7 @@ def megatron_to_hf(
         max_shard_bytes: start a new safetensors file past this size.
     """
     config_dir, out = Path(hf_config), Path(out)
+    _refuse_output_over_input(out, {"--ckpt": Path(ckpt), "--hf-config": config_dir})
     config_path = config_dir / "config.json" if config_dir.is_dir() else config_dir
     shape = _shape_from_hf_config(config_dir)
     try:
@@ -338,6 +359,7 @@ def megatron_to_hf(
         raise ConversionError(str(exc)) from None
     if checkpoint is None:
         raise ConversionError(f"{ckpt} is not a Megatron dist checkpoint (no metadata.json/.metadata, no 'latest')")
+    _refuse_output_over_input(out, {f"checkpoint (--ckpt {ckpt}'s latest)": checkpoint})
     stored = dcp_io.tensor_shapes(checkpoint)
     _check_megatron(checkpoint, stored, shape, config_path)
     stored_shapes = {key: full for key, (full, _) in stored.items()}

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,6 +226,22 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Optional[Path]:
     return target
 
 
+def _load_common(path: Path) -> object:
+    """``common.pt`` loaded as megatron's own load does (``torch.load``'s default,
+    weights-only: it builds tensors, plain containers and values, and the classes registered
+    as safe, and calls nothing else a pickle names, so a planted file runs no code here).
+    Megatron registers a few classes of its own as safe when ``megatron.core`` is imported;
+    a file that needs one is loaded again with them."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        try:
+            import megatron.core  # noqa: F401  (registers megatron's safe classes with torch)
+        except ImportError:
+            raise exc from None
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def checkpoint_problem(path: str | os.PathLike) -> Optional[str]:
     """Why the dist checkpoint in ``path`` cannot be loaded, or None when every file it
     needs is there in full: ``metadata.json``, ``common.pt`` and DCP's ``.metadata``
@@ -234,8 +252,15 @@ def checkpoint_problem(path: str | os.PathLike) -> Optional[str]:
     if not is_dist_checkpoint(path):
         return f"{path / 'metadata.json'} or {path / '.metadata'} is missing or unreadable"
     try:
-        torch.load(path / "common.pt", map_location="cpu", weights_only=False)
+        _load_common(path / "common.pt")
     except Exception as exc:  # EOFError, UnpicklingError, RuntimeError: a damaged file
+        refused = re.search(r"WeightsUnpickler error: ([^\n]*)", str(exc))
+        if refused:
+            return (
+                f"{path / 'common.pt'} cannot be loaded safely ({refused.group(1)}): it holds an object that "
+                "torch's weights-only loader, which megatron's own load uses too, does not build; a checkpoint's "
+                "common.pt holds plain values and tensors only"
+            )
         return f"{path / 'common.pt'} is damaged ({type(exc).__name__}: {exc})"
     try:
         metadata = FileSystemReader(str(path)).read_metadata()

@@ -88,8 +88,17 @@ def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
         return [(f"row {number}", row) for number, row in enumerate(rows)]
     if suffix in (".jsonl", ".json"):
         rows = []
-        with path.open() as handle:
-            for number, line in enumerate(handle, start=1):
+        # Bytes, decoded line by line: a stray non-UTF-8 byte is then a refused line like
+        # any other, not a UnicodeDecodeError that names neither the file nor the line.
+        with path.open("rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(
+                        f"{path}: line {number}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte "
+                        f"{exc.start + 1} of the line); JSONL data must be UTF-8, re-encode the file"
+                    ) from None
                 if not line.strip():
                     continue
                 try:

@@ -35,8 +35,8 @@ from ray.util.placement_group import remove_placement_group
 
 from dapo_megatron.actor.batch import PolicyBatch
 from dapo_megatron.actor.weight_sync import check_feeders, feeder_roles
-from dapo_megatron.config import Config
-from dapo_megatron.orchestration.calls import call_all, cause_of, stop_all
+from dapo_megatron.config import Config, weight_sync_bound_s
+from dapo_megatron.orchestration.calls import MemberFailed, call_all, cause_of, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
 from dapo_megatron.orchestration.placement import (
     actor_bundle,
@@ -54,21 +54,40 @@ logger = logging.getLogger(__name__)
 _UPDATE_GROUP = "dapo_weight_update"
 
 
-def _update_session(engines: list, what: str, stream) -> SyncStats:
+def _await_engines(refs: list, bound_s: float, names: Optional[list[str]] = None) -> list:
+    """The engines' answers to one call of a weight update, each within ``bound_s``
+    (``rollout.weight_sync_timeout_s``): a dead or hung engine is named, never waited for."""
+    return call_all(refs, "a rollout engine", names, timeout_s=bound_s, timeout_key="rollout.weight_sync_timeout_s")
+
+
+def _update_session(engines: list, what: str, stream, bound_s: float, names: Optional[list[str]] = None) -> SyncStats:
     """One weight update of every engine: open the session, ``stream()`` the buckets into
-    them, close it; on any failure abort it everywhere and raise WeightSyncError."""
-    call_all([engine.begin_weight_update.remote() for engine in engines], "a rollout engine")
+    them, close it, every call on an engine within ``bound_s``; on any failure abort it
+    everywhere (as far as the engines answer) and raise WeightSyncError, naming the engine
+    that died when the abort finds one (a rank feeding it only saw its connection close)."""
+    _await_engines([engine.begin_weight_update.remote() for engine in engines], bound_s, names)
     try:
         stats = stream()
-        call_all([engine.end_weight_update.remote() for engine in engines], "a rollout engine")
+        _await_engines([engine.end_weight_update.remote() for engine in engines], bound_s, names)
     except Exception as exc:
-        ray.get([engine.abort_weight_update.remote() for engine in engines])
-        raise WeightSyncError(f"{what} into the rollout engines failed: {cause_of(exc)}") from exc
+        cause = str(cause_of(exc))
+        try:
+            _await_engines([engine.abort_weight_update.remote() for engine in engines], bound_s, names)
+        except MemberFailed as abort_failed:  # a dead or hung engine cannot abort: it is the one to name
+            cause = f"{abort_failed} (first seen as: {cause})"
+        raise WeightSyncError(f"{what} into the rollout engines failed: {cause}") from exc
     return stats
 
 
 def _stream_by_handle(
-    buckets, buffers: list, engines: list, keep=None, serialize=None, readers_per_engine: int = 1
+    buckets,
+    buffers: list,
+    engines: list,
+    bound_s: float,
+    names: Optional[list[str]] = None,
+    keep=None,
+    serialize=None,
+    readers_per_engine: int = 1,
 ) -> tuple[int, int, int]:
     """Pack each bucket into the next of ``buffers`` and hand its handle to every engine
     without waiting for the previous one (an engine works through its calls in order, so
@@ -76,14 +95,14 @@ def _stream_by_handle(
     packed into it last; ``keep(handle)`` sees every handle; ``serialize`` (SGLang's
     engines) also serializes each packed tensor for the engines' own workers, once for
     each of their ``readers_per_engine`` TP workers, and each engine gets only its own
-    workers' payloads (every share is opened exactly once). Returns ``(bytes, tensors,
-    buckets)`` sent."""
+    workers' payloads (every share is opened exactly once); every engine takes each bucket
+    within ``bound_s``. Returns ``(bytes, tensors, buckets)`` sent."""
     in_flight: deque = deque()
     num_bytes = num_tensors = num_buckets = 0
     readers = len(engines) * readers_per_engine if serialize is not None else 1
     for index, (bucket, last) in enumerate(with_last_flag(buckets)):
         if len(in_flight) == len(buffers):
-            ray.get(in_flight.popleft())
+            _await_engines(in_flight.popleft(), bound_s, names)
         handle = buffers[index % len(buffers)].pack(bucket, serialize, readers)
         if keep is not None:
             keep(handle)
@@ -96,15 +115,23 @@ def _stream_by_handle(
         num_tensors += len(bucket.tensors)
         num_buckets += 1
     while in_flight:
-        ray.get(in_flight.popleft())
+        _await_engines(in_flight.popleft(), bound_s, names)
     return num_bytes, num_tensors, num_buckets
 
 
 class _EngineFanout:
     """Looks like one engine to :func:`sync_weights`; feeds every engine by handle, in parallel."""
 
-    def __init__(self, engines: list, buffers: list, serialize=None, readers_per_engine: int = 1) -> None:
-        self.engines = engines
+    def __init__(
+        self,
+        engines: list,
+        names: Optional[list[str]],
+        bound_s: float,
+        buffers: list,
+        serialize=None,
+        readers_per_engine: int = 1,
+    ) -> None:
+        self.engines, self.names, self.bound_s = engines, names, bound_s
         self.buffers = buffers  # two SharedBucketBuffers, kept by the rank across syncs
         self.serialize = serialize
         self.readers_per_engine = readers_per_engine
@@ -117,43 +144,52 @@ class _EngineFanout:
                 buckets,
                 self.buffers,
                 self.engines,
+                self.bound_s,
+                self.names,
                 serialize=self.serialize,
                 readers_per_engine=self.readers_per_engine,
             )
             return SyncStats(time.perf_counter() - start, *sent)
 
-        return _update_session(self.engines, "weight sync", stream)
+        return _update_session(self.engines, "weight sync", stream, self.bound_s, self.names)
 
 
 class _Waiter:
     """What ``broadcast_buckets`` waits on after broadcasting a bucket: the engines' receives."""
 
-    def __init__(self, refs: list) -> None:
-        self.refs = refs
+    def __init__(self, refs: list, bound_s: float, names: Optional[list[str]]) -> None:
+        self.refs, self.bound_s, self.names = refs, bound_s, names
 
     def wait(self) -> None:
-        ray.get(self.refs)
+        _await_engines(self.refs, self.bound_s, self.names)
 
 
 class _BroadcastFanout:
     """Looks like one engine to :func:`sync_weights`; broadcasts every bucket over the
     weight-update group to all (separate) engines at once."""
 
-    def __init__(self, engines: list, group, group_name: str, device: torch.device) -> None:
-        self.engines, self.group, self.group_name, self.device = engines, group, group_name, device
+    def __init__(
+        self, engines: list, names: Optional[list[str]], bound_s: float, group, group_name: str, device: torch.device
+    ) -> None:
+        self.engines, self.names, self.bound_s = engines, names, bound_s
+        self.group, self.group_name, self.device = group, group_name, device
 
     def update_weights(self, buckets) -> SyncStats:
         from dapo_megatron.actor.broadcast_sync import broadcast_buckets
 
         def announce(names, dtypes, shapes, last):
             return _Waiter(
-                [e.receive_broadcast_bucket.remote(names, dtypes, shapes, self.group_name, last) for e in self.engines]
+                [e.receive_broadcast_bucket.remote(names, dtypes, shapes, self.group_name, last) for e in self.engines],
+                self.bound_s,
+                self.names,
             )
 
         return _update_session(
             self.engines,
             "weight broadcast",
             lambda: broadcast_buckets(buckets, self.group, announce, device=self.device),
+            self.bound_s,
+            self.names,
         )
 
 
@@ -304,11 +340,17 @@ class ActorRank:
         return self.node_id(), [int(i) for i in ray.get_gpu_ids()]
 
     def sync_weights(
-        self, engines: list, bucket_bytes: int, engine_ranks: int, feeders: tuple[int, ...]
+        self,
+        engines: list,
+        bucket_bytes: int,
+        engine_ranks: int,
+        feeders: tuple[int, ...],
+        names: Optional[list[str]] = None,
     ) -> Optional[dict]:
         """Collective: stream the weights into the engines. ``engines`` are the ones this
-        rank feeds (empty unless it is in ``feeders``): by handle when they are colocated,
-        by broadcast over a weight-update group hosted by rank 0 when they are not."""
+        rank feeds (empty unless it is in ``feeders``; ``names``, theirs for errors): by
+        handle when they are colocated, by broadcast over a weight-update group hosted by
+        rank 0 when they are not."""
         from dapo_megatron.actor.weight_sync import sync_weights
         from dapo_megatron.orchestration.handles import SharedBucketBuffer, share_storage
 
@@ -319,11 +361,15 @@ class ActorRank:
             serialize = None
             if engine_kind(self.config) == "sglang":
                 from dapo_megatron.rollout.sglang_engine import sglang_tensor_payload as serialize
-            fanout = _EngineFanout(engines, self._buffers, serialize, self.config.rollout.engine_tp_size)
+            fanout = _EngineFanout(
+                engines, names, self._sync_bound_s, self._buffers, serialize, self.config.rollout.engine_tp_size
+            )
         elif engines:
             if self._update_group is None:
                 self._update_group = self._host_update_group(engines, engine_ranks)
-            fanout = _BroadcastFanout(engines, self._update_group, _UPDATE_GROUP, self.actor.device)
+            fanout = _BroadcastFanout(
+                engines, names, self._sync_bound_s, self._update_group, _UPDATE_GROUP, self.actor.device
+            )
         stats = sync_weights(self.actor, fanout, bucket_bytes, feeders)
         if engines and self.config.rollout.colocate and self.info.is_cpu:
             # The q/k/v export buffers persist across syncs: reference them from the next one.
@@ -331,7 +377,11 @@ class ActorRank:
                 share_storage(buffer)
         return asdict(stats) if stats is not None else None
 
-    def feed_pieces(self, engines: list, bucket_bytes: int) -> dict:
+    @property
+    def _sync_bound_s(self) -> float:
+        return weight_sync_bound_s(self.config.rollout)
+
+    def feed_pieces(self, engines: list, bucket_bytes: int, names: Optional[list[str]] = None) -> dict:
         """Send this rank's own shards, as pieces by handle, to every engine of an open
         weight-update session (:func:`iter_piece_buckets`: no collective, no copy here).
         Returns the bytes, tensors and buckets sent.
@@ -345,8 +395,9 @@ class ActorRank:
         key = (bucket_bytes, tuple(p.untyped_storage().data_ptr() for p in self.actor.gpt.parameters()))
         if self._piece_handles is not None and self._piece_handles[0] == key:
             _, handles, sent = self._piece_handles
-            refs = [engine.load_weight_bucket_handle.remote(h, False) for h in handles for engine in engines]
-            ray.get(refs)
+            for handle in handles:
+                refs = [engine.load_weight_bucket_handle.remote(handle, False) for engine in engines]
+                _await_engines(refs, self._sync_bound_s, names)
             return sent
         if not self._buffers:
             self._buffers = [SharedBucketBuffer(self.actor.device) for _ in range(2)]
@@ -362,7 +413,7 @@ class ActorRank:
         sent = dict(
             zip(
                 ("num_bytes", "num_tensors", "num_buckets"),
-                _stream_by_handle(buckets(), self._buffers, engines, handles.append),
+                _stream_by_handle(buckets(), self._buffers, engines, self._sync_bound_s, names, handles.append),
             )
         )
         # A staged piece's bytes change every sync: only handles of references are reused.
@@ -383,7 +434,7 @@ class ActorRank:
         ]
         backend = "nccl" if self.actor.device.type == "cuda" else "gloo"
         group = init_weight_update_group(address, port, 0, world_size, _UPDATE_GROUP, backend=backend)
-        ray.get(joins)
+        _await_engines(joins, self._sync_bound_s)
         return group
 
     def export_hf_weights(self) -> Optional[dict]:
@@ -594,16 +645,18 @@ class ActorGroup:
         bucket_bytes: int,
         engine_ranks: int = 1,
         feeders: Optional[dict[int, list[int]]] = None,
+        names: Optional[list[str]] = None,
     ) -> SyncStats:
-        """Push the current weights into every engine (Ray actor handles; ``engine_ranks``
-        is each engine's rank count in a weight-update group).
+        """Push the current weights into every engine (Ray actor handles, ``names`` theirs
+        for errors; ``engine_ranks`` is each engine's rank count in a weight-update group).
+        Every call on an engine is bounded by ``rollout.weight_sync_timeout_s``.
 
         ``feeders`` maps a rank to the indices of the engines it feeds; by default each
         engine is fed by a rank on its own node (:meth:`plan_feeders`). Separate engines
         are all fed by rank 0, which hosts their weight-update group.
         """
         if feeders is None and self._feeds_pieces(engines):
-            return self._sync_by_pieces(engines, bucket_bytes)
+            return self._sync_by_pieces(engines, bucket_bytes, names)
         if feeders is None:
             feeders = self.plan_feeders(engines) if self.config.rollout.colocate else {0: list(range(len(engines)))}
         # Checked here, before any rank acts: a rank wrongly made a feeder of separate
@@ -614,7 +667,13 @@ class ActorGroup:
         ranks = tuple(sorted(feeders))
         results = call_all(
             [
-                r.sync_weights.remote([engines[i] for i in feeders.get(rank, [])], bucket_bytes, engine_ranks, ranks)
+                r.sync_weights.remote(
+                    [engines[i] for i in feeders.get(rank, [])],
+                    bucket_bytes,
+                    engine_ranks,
+                    ranks,
+                    [names[i] for i in feeders.get(rank, [])] if names else None,
+                )
                 for rank, r in enumerate(self.ranks)
             ],
             "an actor rank",
@@ -657,7 +716,7 @@ class ActorGroup:
     def _nodes_of(self, engines: list) -> list[str]:
         return [node for node, _ in self._places_of(engines)]
 
-    def _sync_by_pieces(self, engines: list, bucket_bytes: int) -> SyncStats:
+    def _sync_by_pieces(self, engines: list, bucket_bytes: int, names: Optional[list[str]]) -> SyncStats:
         """Every first-replica rank (and every first holder of some experts) sends its own
         shards to every engine, all at once,
         inside one update session per engine (see :meth:`ActorRank.feed_pieces`)."""
@@ -667,7 +726,7 @@ class ActorGroup:
 
         def stream() -> SyncStats:
             sent = call_all(
-                [self.ranks[i].feed_pieces.remote(engines, bucket_bytes) for i in senders],
+                [self.ranks[i].feed_pieces.remote(engines, bucket_bytes, names) for i in senders],
                 "an actor rank",
                 [self.names[i] for i in senders],
             )
@@ -676,7 +735,7 @@ class ActorGroup:
                 *(sum(s[key] for s in sent) for key in ("num_bytes", "num_tensors", "num_buckets")),
             )
 
-        return _update_session(engines, "weight sync", stream)
+        return _update_session(engines, "weight sync", stream, weight_sync_bound_s(self.config.rollout), names)
 
     def plan_feeders(self, engines: list) -> dict[int, list[int]]:
         """Each engine's feeder (see :func:`choose_feeders`), asked of Ray once per set

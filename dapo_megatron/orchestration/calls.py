@@ -6,7 +6,8 @@ order they finish, so a member that died (its process killed) is reported within
 seconds even while the others wait for it inside a collective, instead of after the
 collective's timeout. A member Ray has not even started (no node has what it asks
 for free) is named as "not started" after a bounded wait, instead of being waited for
-forever. Stopping never lets one dead or stuck member keep the others running.
+forever; a call given a bound names the members that have not answered within it (a
+hung engine fails the step instead of holding the job until its time limit). Stopping never lets one dead or stuck member keep the others running.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ class MemberFailed(RuntimeError):
     """A member of a group raised or died; the message names it."""
 
 
+class MemberTimedOut(MemberFailed):
+    """A member of a group did not answer a call within its bound; the message names it
+    and the setting that bounds the call."""
+
+
 def call_all(
     refs: list,
     what: str,
@@ -38,6 +44,8 @@ def call_all(
     members: Optional[list] = None,
     asked: str = "",
     schedule_timeout_s: Optional[float] = None,
+    timeout_s: Optional[float] = None,
+    timeout_key: str = "",
 ) -> list:
     """``ray.get(refs)``, failing on the first member that raises or dies.
 
@@ -46,7 +54,9 @@ def call_all(
     ref), a member still waiting for Ray to place it after ``schedule_timeout_s``
     (default :data:`SCHEDULE_TIMEOUT_S`) fails the call as "not started", with
     ``asked`` (what it asks for) and what the cluster has free; the wait goes on while
-    members keep starting, and fails once none has for ``schedule_timeout_s``.
+    members keep starting, and fails once none has for ``schedule_timeout_s``. With
+    ``timeout_s``, members that have not answered that long after the call are named as
+    hung (:class:`MemberTimedOut`), with ``timeout_key``, the setting that bounds them.
     """
     position = {ref: index for index, ref in enumerate(refs)}
     results: list = [None] * len(refs)
@@ -54,10 +64,21 @@ def call_all(
     limit = SCHEDULE_TIMEOUT_S if schedule_timeout_s is None else schedule_timeout_s
     start = time.monotonic()
     deadline = start + limit if members is not None else None
+    work_deadline = start + timeout_s if timeout_s is not None else None
     not_started = len(refs)
     while pending:
-        wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+        ends = [d for d in (deadline, work_deadline) if d is not None]
+        wait_s = POLL_S if not ends else min(POLL_S, max(0.0, min(ends) - time.monotonic()))
+        done, pending = _wait(pending, wait_s)
+        now = time.monotonic()
+        if not done and not any(now >= end for end in ends):
+            continue  # a poll: back in Python, where a signal's handler runs (ray.wait defers it)
+        if not done and work_deadline is not None and now >= work_deadline:
+            hung = [names[position[ref]] if names else what for ref in pending]
+            raise MemberTimedOut(
+                f"{', '.join(hung[:4])}{', ...' if len(hung) > 4 else ''} did not answer within {timeout_s:g} s"
+                f"{f' ({timeout_key})' if timeout_key else ''}: hung, or slower than that setting allows"
+            )
         if not done:
             waiting = [(names[position[ref]] if names else what, members[position[ref]]) for ref in pending]
             unplaced = _unscheduled(waiting)
@@ -85,11 +106,31 @@ def call_all(
     return results
 
 
+POLL_S = 1.0
+"""How long one ``ray.wait`` of a call blocks at most, so that a signal's handler runs
+within this many seconds wherever Ray's wait would defer it."""
+
+
+def _wait(pending: list, timeout_s: float) -> tuple[list, list]:
+    """``ray.wait`` for one of ``pending``. A signal handler's exception raised while Ray's
+    C++ wait checks for signals (a stop abandoning a generation: not an ``Exception``)
+    comes out of Cython as a SystemError whose cause it is: re-raised as itself."""
+    try:
+        return ray.wait(pending, num_returns=1, timeout=timeout_s)
+    except SystemError as exc:
+        if isinstance(exc.__cause__, BaseException) and not isinstance(exc.__cause__, Exception):
+            raise exc.__cause__ from None
+        raise
+
 SCHEDULE_TIMEOUT_S = 120.0
 """How long a group's start waits, with no member starting, for Ray to place the members
 it has not started before naming them (a start that keeps making progress, many
 processes on few cores, goes on; a member that was placed may take longer: its own work
 is not bounded here)."""
+
+CONTROL_TIMEOUT_S = 300.0
+"""The bound of a call that only controls a member (its memory, its weight version, its
+health): seconds of work at most; past this it is hung."""
 
 _NOT_STARTED = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
 
@@ -145,11 +186,17 @@ def _death(exc: BaseException) -> str:
     return text[:600]
 
 
-def stop_all(actors: list, what: str, timeout_s: float = 15.0) -> None:
-    """Ask every actor to ``shutdown()`` (bounded in time), then kill them all."""
-    try:
-        ray.get([actor.shutdown.remote() for actor in actors], timeout=timeout_s)
-    except Exception as exc:  # a dead member must not stop the others' cleanup
-        logger.warning("%s shutdown: %s", what, exc)
+SHUTDOWN_TIMEOUT_S = 15.0
+"""How long a group's members have to shut down before they are killed."""
+
+
+def stop_all(actors: list, what: str, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Ask every actor to ``shutdown()`` (within ``timeout_s``; 0: do not wait, a member
+    known to be busy would answer only after its call), then kill them all."""
+    if timeout_s > 0:
+        try:
+            ray.get([actor.shutdown.remote() for actor in actors], timeout=timeout_s)
+        except Exception as exc:  # a dead member must not stop the others' cleanup
+            logger.warning("%s shutdown: %s", what, exc)
     for actor in actors:
         ray.kill(actor)

@@ -31,9 +31,9 @@ from typing import Optional
 import ray
 import torch
 
-from dapo_megatron.config import Config, hf_weights_folder
+from dapo_megatron.config import Config, generate_bound_s, hf_weights_folder
 from dapo_megatron.models.gpt import params_dtype
-from dapo_megatron.orchestration.calls import call_all, stop_all
+from dapo_megatron.orchestration.calls import CONTROL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, call_all, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
 from dapo_megatron.orchestration.placement import (
     actor_on_gpu,
@@ -255,6 +255,9 @@ class RolloutWorkers:
             for index, (options, _) in enumerate(placements)
         ]
         self.names = [f"rollout engine {index}" for index in range(len(self.engines))]
+        # A generation call that failed, timed out or was interrupted may still run on its
+        # engine: the shutdown then does not wait for the engines' answers.
+        self._abandoned = False
         asked = placements[0][0] if placements else {}
         self._asked = ", ".join(f"{key} {value}" for key, value in asked.items() if key.startswith("num_"))
         if "scheduling_strategy" in asked:
@@ -288,7 +291,7 @@ class RolloutWorkers:
                 bases = engine_gpu_bases(nodes, rollout.engine_tp_size, self.config.parallel.num_devices_per_node)
             building = [engine.start.remote(base) for engine, base in zip(self.engines, bases)]
         call_all(building, "rollout engine", self.names, **placed)
-        health = call_all([engine.health.remote() for engine in self.engines], "a rollout engine", self.names)
+        health = self.health()
         self.names = [f"rollout engine {h['index']} (pid {h['pid']})" for h in health]
         self._update_ranks = rollout.engine_tp_size if on_gpu else 1
         logger.info("rollout engines up: %d x %s", len(self.engines), rollout.engine)
@@ -316,7 +319,7 @@ class RolloutWorkers:
             offsets.append(start)
             names.append(self.names[index])
         results: list[Generation] = []
-        for offset, generations in zip(offsets, call_all(refs, "a rollout engine", names)):
+        for offset, generations in zip(offsets, self._generation(refs, names)):
             for generation in generations:
                 generation.prompt_index += offset
                 results.append(generation)
@@ -330,24 +333,44 @@ class RolloutWorkers:
         advance in lockstep, so what comes back depends on the groups alone, never on
         which engine answered first."""
         refs = [engine.stream.remote(add, params, max_tokens, abort) for engine, add in zip(self.engines, adds)]
-        return call_all(refs, "a rollout engine", self.names)
+        return self._generation(refs, self.names)
+
+    def _generation(self, refs: list, names: list[str]) -> list:
+        """The engines' answers to a generation call, each within ``rollout.generate_timeout_s``."""
+        try:
+            return call_all(
+                refs,
+                "a rollout engine",
+                names,
+                timeout_s=generate_bound_s(self.config.rollout),
+                timeout_key="rollout.generate_timeout_s",
+            )
+        except BaseException:  # failed, hung or interrupted by a stop: the call may still run
+            self._abandoned = True
+            raise
+
+    def _control(self, method: str, *args) -> list:
+        """Every engine's ``method(*args)``, a call that does no generation, within
+        :data:`CONTROL_TIMEOUT_S`."""
+        refs = [getattr(engine, method).remote(*args) for engine in self.engines]
+        return call_all(refs, "a rollout engine", self.names, timeout_s=CONTROL_TIMEOUT_S)
 
     def set_weight_version(self, version: int) -> None:
         """Tell every engine the actor step of the weights it now holds (after a sync)."""
-        call_all([e.set_weight_version.remote(version) for e in self.engines], "a rollout engine", self.names)
+        self._control("set_weight_version", version)
 
     def release_memory(self) -> None:
-        call_all([engine.release_memory.remote() for engine in self.engines], "a rollout engine", self.names)
+        self._control("release_memory")
 
     def resume_memory(self) -> None:
-        call_all([engine.resume_memory.remote() for engine in self.engines], "a rollout engine", self.names)
+        self._control("resume_memory")
 
     def peak_memory(self, reset: bool = False) -> list[int]:
         """Each engine's peak memory (bytes) since its last reset; ``reset`` starts a new one."""
-        return call_all([engine.peak_memory.remote(reset) for engine in self.engines], "a rollout engine", self.names)
+        return self._control("peak_memory", reset)
 
     def health(self) -> list[dict]:
-        return call_all([engine.health.remote() for engine in self.engines], "a rollout engine", self.names)
+        return self._control("health")
 
     def served_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
         """Engine ``index``'s served weights (tests of small models)."""
@@ -356,7 +379,7 @@ class RolloutWorkers:
     def shutdown(self) -> None:
         """Stop every engine (a second call does nothing)."""
         engines, self.engines = self.engines, []
-        stop_all(engines, "rollout engine")
+        stop_all(engines, "rollout engine", timeout_s=0.0 if self._abandoned else SHUTDOWN_TIMEOUT_S)
 
 
 def engine_shares(num_prompts: int, num_engines: int, params: SamplingParams, n: int) -> list:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from dapo_megatron.ckpt.dcp_io import latest_checkpoint
+from dapo_megatron.cli import main
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.trainer import TRAINER_STATE, TrainingDiverged, train
 from tests.e2e.conftest import REPO, run_config
@@ -125,3 +126,73 @@ def test_steps_with_nonfinite_updates_stop_the_run_after_the_configured_count(ti
         info.value
     )
     assert _logged_steps(tmp_path / "run") == [1, 2]
+
+
+def _from_step(step: int, monkeypatch, action) -> None:
+    """Call ``action(engines)`` once, when step ``step`` starts generating (before its
+    first generation call reaches the engines)."""
+    from dapo_megatron.orchestration.rollout import RolloutWorkers
+    from dapo_megatron.step import Stepper
+
+    current, done = {"step": 0}, []
+    real_step_generate, real_generate = Stepper._generate, RolloutWorkers.generate
+
+    def step_generate(self, number):
+        current["step"] = number
+        return real_step_generate(self, number)
+
+    def generate(self, prompts, params, n):
+        if current["step"] >= step and not done:
+            done.append(action(self.engines))
+        return real_generate(self, prompts, params, n)
+
+    monkeypatch.setattr(Stepper, "_generate", step_generate)
+    monkeypatch.setattr(RolloutWorkers, "generate", generate)
+
+
+@pytest.mark.timeout(600)
+def test_a_hung_engine_fails_the_step_within_the_bound(tiny_model, tmp_path, monkeypatch):
+    """Engine 0 stops answering (alive, not dead) at step 2: the step fails within
+    rollout.generate_timeout_s, naming the engine and the setting, instead of waiting."""
+    from dapo_megatron.orchestration.calls import MemberTimedOut
+
+    def hang(worker):
+        import time
+
+        time.sleep(600)
+
+    hung = {}
+    _from_step(
+        2, monkeypatch, lambda engines: hung.update(at=time.monotonic(), ref=engines[0].__ray_call__.remote(hang))
+    )
+    config = run_config(tiny_model, tmp_path / "run", **{**FOUR_STEPS, "rollout.generate_timeout_s": 5.0})
+    with pytest.raises(
+        MemberTimedOut,
+        match=r"^rollout engine 0 \(pid \d+\) did not answer within 5 s "
+        r"\(rollout.generate_timeout_s\): hung",
+    ):
+        train(config_from_dict(config))
+    assert time.monotonic() - hung["at"] < 45  # the bound, then the hung engine is not waited for at shutdown
+    assert _logged_steps(tmp_path / "run") == [1]
+
+
+@pytest.mark.timeout(600)
+def test_an_engine_killed_during_sync_ends_with_the_resume_hint(tiny_model, tmp_path, monkeypatch, capsys):
+    """Engine 0's process exits inside the weight sync after step 2: the run ends with the
+    one-paragraph message of a dead member (the engine named) and the --resume hint."""
+
+    def exit_in_the_next_bucket(worker):
+        import os
+
+        worker.engine.load_weight_bucket = lambda *args: os._exit(1)
+
+    _from_step(2, monkeypatch, lambda engines: engines[0].__ray_call__.remote(exit_in_the_next_bucket))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run_config(tiny_model, tmp_path / "run", **FOUR_STEPS)))
+    assert main(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "dapo-megatron train: error: weight sync into the rollout engines failed: rollout engine 0 (pid " in err, (
+        err[-3000:]
+    )
+    assert " died: " in err and "Traceback" not in err
+    assert f"the last complete checkpoint is {tmp_path / 'run' / 'checkpoints' / 'step_00000001'}; add --resume" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -40,6 +41,15 @@ def _metrics(run: Path) -> dict[int, dict[str, float]]:
     return steps
 
 
+def _tree_digest(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` and the SHA-256 of its bytes."""
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
 def _stored_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {
         key: read_chunk(checkpoint, key, (0,) * len(shape), shape, dtype)
@@ -47,19 +57,37 @@ def _stored_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.timeout(900)
-def test_two_steps_resume_two_steps_equals_four_steps(tiny_model, tmp_path):
-    whole = tmp_path / "whole"
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, tmp_path_factory) -> tuple[Path, dict]:
+    """Four steps without a stop, exported: the run folder, and the weights the engine
+    served at the end."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
     seen = {}
     train(
         config_from_dict(run_config(tiny_model, whole, **FOUR_STEPS, **{"checkpoint.export_hf": True})),
         inspect=lambda actor, engines: seen.update(engine=engines.served_weights()),
     )
+    return whole, seen
+
+
+@pytest.mark.timeout(900)
+def test_two_steps_resume_two_steps_equals_four_steps(tiny_model, tmp_path, uninterrupted):
+    whole, seen = uninterrupted
     split = tmp_path / "split"
     first_half = train(config_from_dict(run_config(tiny_model, split, **{**FOUR_STEPS, "trainer.num_steps": 2})))
     assert first_half.steps == 2
-    with pytest.raises(ConfigError, match="already holds a run .* pass --resume"):
+    saved = _tree_digest(split / "checkpoints")
+    with pytest.raises(ConfigError, match="already holds checkpoints .*Pass --resume.* another checkpoint.save_dir"):
         train(config_from_dict(run_config(tiny_model, split, **FOUR_STEPS)))
+    # A new run folder whose checkpoint.save_dir holds another run's checkpoints: refused
+    # before anything starts, the checkpoints untouched (it would overwrite them).
+    other = run_config(tiny_model, tmp_path / "other", **FOUR_STEPS)
+    other["checkpoint"]["save_dir"] = str(split / "checkpoints")
+    with pytest.raises(
+        ConfigError, match=f"{split / 'checkpoints'} already holds checkpoints \\(step_00000002, latest\\)"
+    ):
+        train(config_from_dict(other))
+    assert _tree_digest(split / "checkpoints") == saved and not (tmp_path / "other").exists()
     result = train(config_from_dict(run_config(tiny_model, split, **FOUR_STEPS)), resume=True)
     assert result.steps == 4 and (split / "config.resumed_at_step_2.yaml").exists()
 
@@ -104,36 +132,41 @@ def test_resume_without_a_checkpoint_is_refused(tiny_model, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_a_preemption_signal_saves_exits_75_and_resume_continues(tiny_model, tmp_path):
-    """SIGTERM mid-run (and a second one while it stops): the step finishes, a checkpoint
-    is saved, the exit status is 75; ``--resume`` continues after the saved step."""
+def test_a_stop_signal_during_a_long_generation_saves_within_a_bound(tiny_model, tmp_path, uninterrupted):
+    """SIGUSR1 after step 1 while step 2's generation hangs for 120 s (and a SIGTERM while
+    the run stops): the generation is abandoned, step 1 is saved and the run exits 75
+    within 30 s; ``--resume`` takes step 2 whole and continues as an uninterrupted run."""
     run = tmp_path / "preempted"
     config = run_config(tiny_model, run, **{**FOUR_STEPS, "checkpoint.save_every": 4})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "dapo_megatron", "train", str(path)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    slow = [sys.executable, "-m", "tests.e2e.slow_generation", "train", str(path)]
+    process = subprocess.Popen(slow, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and metrics.read_text().strip()) and process.poll() is None:
         assert time.monotonic() < deadline, "the run logged no step"
         time.sleep(0.2)
     start = time.monotonic()
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signal.SIGUSR1)
     time.sleep(0.5)
     process.send_signal(signal.SIGTERM)  # a second signal must not break the save
-    output, _ = process.communicate(timeout=600)
+    output, _ = process.communicate(timeout=300)
     stopped_after = time.monotonic() - start
     assert process.returncode == 75, output
+    assert stopped_after < 30, f"stopped {stopped_after:.0f} s after the signal"
     assert "received SIGTERM again: already stopping" in output
+    assert "stopped by SIGUSR1 after step 1 (step 2's generation abandoned" in output, output[-3000:]
     checkpoint = latest_checkpoint(run / "checkpoints")
-    saved = json.loads((checkpoint / TRAINER_STATE).read_text())["step"]
-    assert 1 <= saved < 4 and f"stopped by SIGTERM after step {saved}" in output
-    assert sorted(_metrics(run)) == list(range(1, saved + 1))
-    print(f"preempted: stopped {stopped_after:.1f} s after the signal, at step {saved}")
+    assert checkpoint.name == "step_00000001"
+    assert sorted(_metrics(run)) == [1]
+    print(f"stopped {stopped_after:.1f} s after the signal, at step 1")
 
-    resumed = subprocess.run([*command, "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "dapo_megatron", "train", str(path), "--resume"]
+    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert sorted(_metrics(run)) == [1, 2, 3, 4]
-    assert json.loads((latest_checkpoint(run / "checkpoints") / TRAINER_STATE).read_text())["step"] == 4
+    expected, got = _metrics(uninterrupted[0]), _metrics(run)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in range(1, 5):  # step 2 drew the prompts it would have drawn, with the same seeds
+        assert got[step] == expected[step], step

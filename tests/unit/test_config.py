@@ -488,3 +488,15 @@ def test_carried_and_partial_batches_are_corrected_by_default():
     for switch in ("carry_over", "partial_rollout"):
         config = load_config(TINY, ["rollout.streaming=true", f"rollout.{switch}=true"])
         assert rollout_correction_of(config) == "tis"
+
+
+def test_reward_worker_memory_cap_is_at_least_0(tmp_path):
+    assert "algorithm.reward_worker_memory_mb=-1 must be >= 0 (0 = no cap)" in error_of(
+        write_yaml(tmp_path, tiny(algorithm={"reward_worker_memory_mb": -1}))
+    )
+    assert (
+        load_config(
+            write_yaml(tmp_path, tiny(algorithm={"reward_worker_memory_mb": 0}))
+        ).algorithm.reward_worker_memory_mb
+        == 0
+    )

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from dapo_megatron.ckpt import convert as convert_module
 from dapo_megatron.ckpt import mapping
 from dapo_megatron.ckpt.convert import ConversionError, hf_to_megatron, megatron_to_hf
-from dapo_megatron.ckpt.dcp_io import read_chunk, tensor_shapes
+from dapo_megatron.ckpt.dcp_io import ChunkSpec, checkpoint_problem, read_chunk, tensor_shapes, write_dist_checkpoint
 
 
 def make_hf(path: Path, *, tied=False, vocab=250, layers=3, dtype=torch.float32, max_shard_size=None, seed=0) -> Path:
@@ -423,6 +426,57 @@ def test_existing_output_is_refused_and_overwrite_replaces_only_after_success(tm
     assert not (tmp_path / "mg" / "precious.txt").exists() and (tmp_path / "mg" / "metadata.json").exists()
 
 
+def _digests(folder: Path) -> dict[str, str]:
+    return {
+        str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest() for f in folder.rglob("*") if f.is_file()
+    }
+
+
+def test_overwrite_refuses_an_output_that_is_or_contains_the_input(tmp_path):
+    """Publishing replaces ``--out`` whole; were an input ``--out`` itself or inside it, a
+    successful ``--overwrite`` conversion would delete it. Refused before anything is written."""
+    models = tmp_path / "models"
+    hf = make_hf(models / "hf", layers=1)
+    saves = tmp_path / "saves"
+    hf_to_megatron(hf, saves / "step_1", verify=False, progress=False)
+    (saves / "latest").write_text(json.dumps({"path": "step_1"}))
+    before = {"hf": _digests(hf), "saves": _digests(saves)}
+    cases = [
+        (lambda out: hf_to_megatron(hf, out, overwrite=True, progress=False), hf, hf, "is"),
+        (lambda out: hf_to_megatron(hf, out, overwrite=True, progress=False), models, hf, "contains"),
+        (
+            lambda out: megatron_to_hf(saves / "step_1", hf, out, overwrite=True, progress=False),
+            saves / "step_1",
+            saves / "step_1",
+            "is",
+        ),
+        (lambda out: megatron_to_hf(saves, hf, out, overwrite=True, progress=False), saves, saves, "is"),
+        (lambda out: megatron_to_hf(saves, hf, out, overwrite=True, progress=False), tmp_path, saves, "contains"),
+        # --out inside the save folder, but it is the checkpoint the folder's `latest` names.
+        (lambda out: megatron_to_hf(saves, hf, out, overwrite=True, progress=False), saves / "step_1", saves, "is"),
+        # The HF config folder is an input too (config.json and tokenizer files are copied from it).
+        (lambda out: megatron_to_hf(saves, hf, out, overwrite=True, progress=False), hf, hf, "is"),
+        (
+            lambda out: megatron_to_hf(saves, hf / "config.json", out, overwrite=True, progress=False),
+            hf,
+            hf,
+            "contains",
+        ),
+    ]
+    for convert, out, source, relation in cases:
+        with pytest.raises(
+            ConversionError,
+            match=rf"output folder {re.escape(str(out))} {relation} the input .*{re.escape(str(source))}.*; "
+            "replacing it would delete the input: choose an --out outside",
+        ):
+            convert(out)
+        assert {"hf": _digests(hf), "saves": _digests(saves)} == before
+        assert not list(out.parent.glob(f"{out.name}.tmp-*")) and not list(out.parent.glob(f"{out.name}.old-*"))
+    # An output inside an input loses nothing: the input's own files stay as they were.
+    megatron_to_hf(saves, hf, saves / "hf", overwrite=True, verify=False, progress=False)
+    assert {k: v for k, v in _digests(saves).items() if not k.startswith("hf/")} == before["saves"]
+
+
 def test_cli_round_trip_and_exit_status(tmp_path):
     hf = make_hf(tmp_path / "hf")
     run = [sys.executable, "-m", "dapo_megatron", "convert"]
@@ -461,3 +515,38 @@ def test_cli_round_trip_and_exit_status(tmp_path):
     assert tool.returncode == 0, tool.stderr
     assert "not verified" in tool.stderr
     assert hf_tensors(tmp_path / "back")["model.norm.weight"].dtype == torch.bfloat16
+
+
+class _CreatesAFile:
+    """Pickles as a call of ``open(path, "w")``: unpickling it creates ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_the_integrity_check_does_not_run_code_from_common_pt(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    chunk = ChunkSpec("w", (2, 3), (0, 0), (2, 3), torch.float32, lambda: torch.ones(2, 3))
+    write_dist_checkpoint(ckpt, [chunk])
+    # What megatron writes there (the run's checkpoints): plain dicts, numbers, strings, tensors.
+    common = {
+        "layout": {"tp_size": 1, "pp_size": 1, "ep_size": 1},
+        "rollout_step": 3,
+        "scheduler": {"max_lr": 1e-6, "num_steps": 3, "lr_decay_style": "constant"},
+        "optimizer": {"optimizer": {"param_groups": [{"betas": (0.9, 0.99), "foreach": None, "step": 3.0}]}},
+        "extra": torch.arange(4),
+    }
+    torch.save(common, ckpt / "common.pt")
+    assert checkpoint_problem(ckpt) is None
+    # Megatron-LM's own saves add an argparse.Namespace, one of the classes megatron
+    # registers as safe; its load allows it, so the check does too.
+    torch.save({**common, "args": argparse.Namespace(lr=1e-6)}, ckpt / "common.pt")
+    assert checkpoint_problem(ckpt) is None
+    marker = tmp_path / "marker"
+    torch.save({**common, "payload": _CreatesAFile(str(marker))}, ckpt / "common.pt")
+    problem = checkpoint_problem(ckpt)
+    assert not marker.exists(), "checkpoint_problem ran code from common.pt"
+    assert problem is not None and problem.startswith(f"{ckpt / 'common.pt'} cannot be loaded safely")

@@ -77,6 +77,15 @@ def test_bad_rows_are_refused_naming_file_row_and_column(tmp_path, bad, message)
     assert str(info.value).startswith(f"{path}: line 3")
 
 
+def test_invalid_utf8_is_refused_naming_file_and_line(tmp_path):
+    path = tmp_path / "bytes.jsonl"
+    good = (json.dumps(row()) + "\n").encode()
+    path.write_bytes(good + good + b'{"data_source": "s\xff"}\n')
+    with pytest.raises(DataError, match=r"line 3: not valid UTF-8 .*byte 0xff") as info:
+        PromptDataset([str(path)], CharTokenizer(), DataConfig(), 100)
+    assert str(info.value).startswith(f"{path}: line 3")
+
+
 def test_jsonl_errors_count_lines_with_blank_ones_and_parquet_counts_rows_from_0(tmp_path):
     path = tmp_path / "gaps.jsonl"
     path.write_text(json.dumps(row()) + "\n\n" + "{not json\n")

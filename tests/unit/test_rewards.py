@@ -249,6 +249,56 @@ def test_raising_and_misbehaving_functions_score_wrong_and_count():
     assert odd.error is not None and "expected a number" in odd.error
 
 
+def test_a_reward_worker_that_dies_at_start_scores_an_error(monkeypatch):
+    """A worker that exits while it starts (a crashing import) or does not come up within
+    the start bound scores ``error_score``, counted in errors; ``score`` never raises. For
+    a while after a failed start, calls score the same error at once instead of starting
+    (and waiting for) a worker per response; then a start is tried again."""
+    from dapo_megatron.algo.rewards import registry
+
+    monkeypatch.setenv("REWARD_FIXTURE_START", "exit")
+    scorer = RewardScorer("tests.unit.reward_fixtures:slow_on_marker", timeout_s=10, error_score=-0.5)
+    try:
+        first = scorer.score("1", "1")
+        assert (first.score, first.correct, first.timed_out) == (-0.5, False, False)
+        assert "reward worker for 'tests.unit.reward_fixtures:slow_on_marker' failed to start" in first.error
+        assert "exit code 1" in first.error
+        start = time.perf_counter()
+        again = scorer.score("1", "1")
+        assert time.perf_counter() - start < 0.5 and again.error == first.error and again.score == -0.5
+        assert scorer.metrics() == {"calls": 2.0, "correct": 0.0, "timeouts": 0.0, "errors": 2.0}
+        # Once the pause is over (here at once), a worker starts again and scores.
+        monkeypatch.setattr(registry, "START_RETRY_S", 0.0)
+        monkeypatch.delenv("REWARD_FIXTURE_START")
+        assert scorer.score("1", "1").correct
+    finally:
+        scorer.close()
+
+    monkeypatch.setenv("REWARD_FIXTURE_START", "hang")
+    scorer = RewardScorer("tests.unit.reward_fixtures:slow_on_marker", timeout_s=10, start_timeout_s=0.5)
+    try:
+        hung = scorer.score("1", "1")
+        assert hung.score == -1.0 and not hung.correct and "did not start within 0.5 s" in hung.error
+        assert scorer.metrics()["errors"] == 1 and scorer._process is None  # the hung worker was killed
+    finally:
+        scorer.close()
+
+
+def test_reward_workers_are_memory_capped():
+    """A reward call that allocates past ``memory_mb`` gets a MemoryError, scored as a
+    reward error; the worker lives on and scores the next responses."""
+    scorer = RewardScorer("tests.unit.reward_fixtures:allocates_on_marker", timeout_s=30, memory_mb=1024)
+    try:
+        big = scorer.score("BIG", "1")
+        assert big.score == -1.0 and not big.correct and big.error.startswith("MemoryError")
+        worker = scorer._process.pid
+        assert scorer.score("1", "1").correct and scorer.score("2", "1").score == -1.0
+        assert scorer._process.pid == worker
+        assert scorer.metrics() == {"calls": 3.0, "correct": 1.0, "timeouts": 0.0, "errors": 1.0}
+    finally:
+        scorer.close()
+
+
 def test_unknown_rewards_are_refused_with_the_options():
     assert {"dapo_math", "math_verify"} <= set(available_rewards())
     with pytest.raises(ValueError, match="unknown reward 'dapo'; registered: dapo_math, math_verify"):
@@ -260,23 +310,33 @@ def test_unknown_rewards_are_refused_with_the_options():
 
 
 def test_non_finite_scores_are_reward_errors_and_numpy_numbers_and_bools_are_scores():
-    """A NaN or infinite score would make every advantage of its group NaN: it is a reward
-    error naming the function, scored ``error_score``; NumPy numbers and bools are scores."""
+    """A NaN or infinite score would make its group's advantages NaN (or stop the step), and
+    so would a finite one too large for the group's mean and std (1e308): both are reward errors
+    naming the function, scored ``error_score``; a score at the bound, NumPy numbers and
+    bools are scores."""
     import math
 
     from dapo_megatron.algo import group_advantages_by_id
     from dapo_megatron.algo.rewards.pool import RewardPool
+    from dapo_megatron.algo.rewards.registry import MAX_ABS_SCORE
 
+    with pytest.raises(ValueError, match="NaN or Inf"):  # what a 1e308 reward would do to its step
+        group_advantages_by_id(torch.tensor([1e308, 1e308, -1e308, 0.0]), [0] * 4)
     pool = RewardPool("tests.unit.reward_fixtures:returns_by_request", 10, 1, error_score=-0.5)
     try:
-        asks = ["nan", "inf", "np_nan", "np_float", "np_int", "true", "np_false"]
+        asks = ["nan", "inf", "np_nan", "huge", "neg_huge", "np_float", "np_int", "true", "np_false"]
+        asks += ["at_bound", "neg_at_bound"]
         results = pool.score(asks, ["x"] * len(asks))
+        assert pool.local.metrics()["errors"] == 5
     finally:
         pool.close()
     scores = [r.score for r in results]
-    assert scores == [-0.5, -0.5, -0.5, 1.0, -1.0, 1.0, 0.0]
-    assert [r.error is not None for r in results] == [True, True, True, False, False, False, False]
+    assert MAX_ABS_SCORE == 1e6
+    assert scores == [-0.5, -0.5, -0.5, -0.5, -0.5, 1.0, -1.0, 1.0, 0.0, 1e6, -1e6]
+    assert [r.error is not None for r in results] == [True] * 5 + [False] * 6
     assert "non-finite score nan" in results[0].error and "non-finite score -inf" in results[1].error
-    assert [r.correct for r in results] == [False, False, False, True, False, True, False]
+    assert "the score 1e+308, which is beyond ±1e+06" in results[3].error
+    assert "the score -1e+308, which is beyond ±1e+06" in results[4].error
+    assert [r.correct for r in results] == [False] * 5 + [True, False, True, False, True, False]
     advantages = group_advantages_by_id(torch.tensor(scores), [0] * len(scores))
     assert all(math.isfinite(a) for a in advantages.tolist())

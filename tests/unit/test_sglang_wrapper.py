@@ -333,11 +333,13 @@ def test_every_cuda_ipc_share_is_opened_by_exactly_one_tp_worker(monkeypatch):
 
             self.load_weight_bucket_handle = _Call()
 
-    monkeypatch.setattr(actor_group, "ray", types.SimpleNamespace(get=lambda refs: refs))
+    monkeypatch.setattr(actor_group, "_await_engines", lambda refs, bound_s, names=None: refs)
     buckets = [WeightBucket([(f"t{b}.{i}", torch.randn(4)) for i in range(2)]) for b in range(3)]
     buffers = [SharedBucketBuffer(torch.device("cpu")) for _ in range(2)]
     engines = [Reader(0, 4), Reader(1, 4)]
-    sent = actor_group._stream_by_handle(iter(buckets), buffers, engines, serialize=serialize, readers_per_engine=4)
+    sent = actor_group._stream_by_handle(
+        iter(buckets), buffers, engines, 60.0, serialize=serialize, readers_per_engine=4
+    )
     assert sent[1:] == (6, 3)
     assert len(shares) == 6 * 2 * 4  # tensors x engines x TP workers: no share nobody opens
     assert sorted(payload for *_, payload in opened) == sorted(shares)  # each opened exactly once

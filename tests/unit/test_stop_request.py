@@ -4,11 +4,14 @@ only asks the run to stop after its step."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
+import time
 
 import pytest
 
-from dapo_megatron.step import StartupInterrupted, StopRequest
+from dapo_megatron.step import StartupInterrupted, StopNow, StopOutOfTime, StopRequest
 
 
 class _SignalDuringWrite(logging.Handler):
@@ -58,3 +61,41 @@ def test_after_start_up_a_signal_only_asks_for_a_stop_after_the_step():
     stop(signal.SIGTERM, None)
     stop(signal.SIGUSR1, None)  # a second one is only logged
     assert stop.signal_name == "SIGTERM" and stop.interrupted is None
+
+
+def test_a_signal_abandons_a_wait_for_generation_during_or_before_it():
+    stop = StopRequest()
+    stop.running()
+    with pytest.raises(StopNow, match="received SIGUSR1: the generation in flight is abandoned"):
+        with stop.abortable():
+            stop(signal.SIGUSR1, None)  # arrives while the run waits for the engines
+    assert stop.signal_name == "SIGUSR1"
+    with pytest.raises(StopNow):  # a signal that came during the actor's work: the next wait is not begun
+        with stop.abortable():
+            pytest.fail("the wait began after a stop")
+    outside = StopRequest()
+    outside.running()
+    outside(signal.SIGTERM, None)  # outside a wait: only remembered
+    assert outside.signal_name == "SIGTERM"
+
+
+def test_stopping_past_the_grace_interrupts_the_main_thread_and_the_save_cancels_it():
+    """At ``grace_s`` after the signal a real signal reaches the main thread, whose handler
+    raises StopOutOfTime even inside a blocking call; a stop that saved in time is not
+    interrupted."""
+    stop = StopRequest(grace_s=0.3)
+    with stop.installed():
+        stop.running()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        start = time.monotonic()
+        with pytest.raises(StopOutOfTime, match=r"took longer than trainer.stop_grace_s=0.3 s"):
+            threading.Event().wait(30)  # blocks in a lock acquire, as a wait for a member does
+        assert 0.25 < time.monotonic() - start < 10
+    assert all(timer.finished.is_set() for timer in stop._timers)  # the backstop went with the run
+
+    saved = StopRequest(grace_s=0.3)
+    with saved.installed():
+        saved.running()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        saved.saved()
+        threading.Event().wait(1.0)  # nothing is raised

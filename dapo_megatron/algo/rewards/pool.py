@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
 from dapo_megatron.algo.rewards.base import RewardResult
-from dapo_megatron.algo.rewards.registry import RewardScorer
+from dapo_megatron.algo.rewards.registry import DEFAULT_WORKER_MEMORY_MB, RewardScorer
 
 _WORKER_SCORER: RewardScorer | None = None
 
 
-def _init_worker(name: str, timeout_s: float, error_score: float) -> None:
+def _init_worker(name: str, timeout_s: float, error_score: float, memory_mb: int) -> None:
     global _WORKER_SCORER
-    _WORKER_SCORER = RewardScorer(name, timeout_s, error_score)
+    _WORKER_SCORER = RewardScorer(name, timeout_s, error_score, memory_mb)
 
 
 def _score_chunk(pairs: list[tuple[str, str]]) -> list[RewardResult]:
@@ -38,12 +38,19 @@ class RewardPool:
         num_workers: worker processes; 1 scores in this process.
         min_parallel: rounds smaller than this are scored in this process.
         error_score: the score of a call that fails or times out.
+        memory_mb: memory cap of each reward worker process (see :class:`RewardScorer`); 0: none.
     """
 
     def __init__(
-        self, name: str, timeout_s: float, num_workers: int, min_parallel: int = 256, error_score: float = -1.0
+        self,
+        name: str,
+        timeout_s: float,
+        num_workers: int,
+        min_parallel: int = 256,
+        error_score: float = -1.0,
+        memory_mb: int = DEFAULT_WORKER_MEMORY_MB,
     ) -> None:
-        self.local = RewardScorer(name, timeout_s, error_score)
+        self.local = RewardScorer(name, timeout_s, error_score, memory_mb)
         self.num_workers = max(1, num_workers)
         self.min_parallel = min_parallel
         self._executor: ProcessPoolExecutor | None = None
@@ -52,7 +59,7 @@ class RewardPool:
                 self.num_workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker,
-                initargs=(name, timeout_s, error_score),
+                initargs=(name, timeout_s, error_score, memory_mb),
             )
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[RewardResult]:

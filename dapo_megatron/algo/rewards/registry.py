@@ -10,6 +10,13 @@ reads a fixed-size tail of the response) run in-process; the rest run in a worke
 process that :class:`RewardScorer` kills and restarts when a call exceeds
 ``timeout_s``. Either way a call that exceeds the bound scores as wrong and is counted in
 the ``timeouts`` metric; a call that raises scores as wrong and is counted in ``errors``.
+
+Nor may one exhaust the machine's memory: a worker caps its own address space
+(``RLIMIT_AS``) at ``memory_mb`` beyond what it has mapped when it starts, so a runaway
+allocation is a ``MemoryError`` in that call (a reward error) rather than the kernel's
+OOM killer choosing a process, perhaps the trainer's. A worker that dies or does not
+come up while starting scores reward errors too; starting is retried after
+``START_RETRY_S``, not once per response.
 """
 
 from __future__ import annotations
@@ -28,6 +35,22 @@ from dapo_megatron.algo.rewards.base import REGISTRY, RewardFn, RewardResult
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 120.0
+"""Default bound of a worker's start (spawning Python, importing the reward's module)."""
+
+START_RETRY_S = 30.0
+"""After a worker failed to start, calls within this many seconds score the same error at
+once; the next call after it starts a worker again. Starting one per response instead
+would cost a start (up to the start bound) per response, for as long as the cause lasts."""
+
+DEFAULT_WORKER_MEMORY_MB = 4096
+"""Default of ``memory_mb`` (``algorithm.reward_worker_memory_mb``)."""
+
+MAX_ABS_SCORE = 1e6
+"""Largest |score| a reward function may return; a larger one is a reward error, as a NaN
+is. Advantages are a group's (score - mean) / std, computed in float32: a score near
+1e308 is infinite there (and its square overflows float64 too), so one such score makes
+its group's advantages NaN, which stops the step. 1e6 keeps the group statistics many
+orders of magnitude from overflow and is far beyond any sensible reward."""
 
 
 def _ensure_builtins() -> None:
@@ -80,7 +103,8 @@ def to_result(value: Any) -> RewardResult:
     """Turn what a reward function returned into a RewardResult (or raise TypeError or
     ValueError): a RewardResult; a number (Python or NumPy; a bool means correct 1.0 or
     wrong 0.0), correct when > 0; a dict with ``score`` (and optionally ``correct`` and
-    ``prediction``). A NaN or infinite score is refused (ValueError)."""
+    ``prediction``). A NaN or infinite score, or one beyond ±``MAX_ABS_SCORE``, is refused
+    (ValueError)."""
     if isinstance(value, RewardResult):
         result = value
     elif (number := _number(value)) is not None:
@@ -96,6 +120,11 @@ def to_result(value: Any) -> RewardResult:
         raise TypeError(f"a reward function returned {type(value).__name__}; expected a number, dict or RewardResult")
     if not math.isfinite(result.score):
         raise ValueError(f"a reward function returned the non-finite score {result.score}")
+    if abs(result.score) > MAX_ABS_SCORE:
+        raise ValueError(
+            f"a reward function returned the score {result.score:g}, which is beyond ±{MAX_ABS_SCORE:g} "
+            "(group advantages of such scores overflow); scale the reward function's scores down"
+        )
     return result
 
 
@@ -106,16 +135,46 @@ def _call(fn: RewardFn, response: str, ground_truth: str, error_score: float) ->
         return RewardResult(score=error_score, correct=False, prediction=None, error=f"{type(exc).__name__}: {exc}")
 
 
-def _worker_main(conn, name: str) -> None:
-    """Worker process loop: resolve the function once, then score requests until None."""
+def _cap_address_space(memory_mb: int) -> None:
+    """Let this process map at most ``memory_mb`` MiB more than it has mapped now (its
+    soft ``RLIMIT_AS``; never raised above a lower limit already set). Counted from the
+    current size because what the interpreter and its imports have mapped already (torch's
+    libraries: hundreds of MB to gigabytes of address space, mostly never touched) says
+    nothing about what a reward call may use; without ``/proc`` the cap counts from zero."""
+    import resource
+
     try:
+        with open("/proc/self/statm") as statm:
+            mapped = int(statm.read().split()[0]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        mapped = 0
+    limit = mapped + memory_mb * 2**20
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    for existing in (soft, hard):
+        if existing != resource.RLIM_INFINITY:
+            limit = min(limit, existing)
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ValueError, OSError) as exc:  # a platform that does not enforce RLIMIT_AS
+        logger.warning("reward worker: cannot cap its memory at %s MiB (%s); running without a cap", memory_mb, exc)
+
+
+def _worker_main(conn, name: str, memory_mb: int) -> None:
+    """Worker process loop: cap memory, resolve the function once, then score requests
+    until None."""
+    try:
+        if memory_mb > 0:
+            _cap_address_space(memory_mb)
         fn, _ = resolve_reward(name)
     except Exception as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
     while True:
-        request = conn.recv()
+        try:
+            request = conn.recv()
+        except EOFError:  # the scorer closed its end (its process ended): nothing more to score
+            return
         if request is None:
             return
         conn.send(_call(fn, *request))  # request: (response, ground truth, error score)
@@ -123,18 +182,38 @@ def _worker_main(conn, name: str) -> None:
 
 class RewardScorer:
     """Scores responses with one reward function, each call bounded by ``timeout_s``; a
-    call that raises, returns something unusable (or a NaN or infinite score) or exceeds
-    the bound scores ``error_score``, not correct."""
+    call that raises, returns something unusable (or a NaN, infinite or too large score),
+    exceeds the bound, or runs in a worker that cannot start, scores ``error_score``, not
+    correct.
 
-    def __init__(self, name: str, timeout_s: float = 5.0, error_score: float = -1.0) -> None:
+    ``memory_mb``: address space a worker may map beyond what it has mapped when it starts
+    (0: no cap); ``start_timeout_s``: bound of a worker's start.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        timeout_s: float = 5.0,
+        error_score: float = -1.0,
+        memory_mb: int = DEFAULT_WORKER_MEMORY_MB,
+        start_timeout_s: float = _STARTUP_TIMEOUT_S,
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        if memory_mb < 0:
+            raise ValueError(f"memory_mb={memory_mb} must be >= 0 (0: no cap)")
+        if start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s={start_timeout_s} must be > 0")
         self.name = name
         self.timeout_s = timeout_s
         self.error_score = error_score
+        self.memory_mb = memory_mb
+        self.start_timeout_s = start_timeout_s
         self._fn, self._bounded = resolve_reward(name)
         self._process = None
         self._conn = None
+        self._start_failure: Optional[str] = None
+        self._start_failed_at = 0.0
         self._counts = {"calls": 0, "correct": 0, "timeouts": 0, "errors": 0}
         self._warned_error = False
         atexit.register(self.close)
@@ -143,23 +222,57 @@ class RewardScorer:
         return RewardResult(score=self.error_score, correct=False, prediction=None, timed_out=True)
 
     def _start_worker(self) -> None:
+        """Start a worker and wait until it is ready; RuntimeError (the worker stopped) if it
+        does not come up within ``start_timeout_s``, reports a failure or exits."""
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
-        self._process = context.Process(target=_worker_main, args=(child, self.name), daemon=True)
+        self._process = context.Process(target=_worker_main, args=(child, self.name, self.memory_mb), daemon=True)
         self._process.start()
         child.close()
         self._conn = parent
-        if not parent.poll(_STARTUP_TIMEOUT_S):
+        try:
+            if not parent.poll(self.start_timeout_s):
+                raise RuntimeError(f"reward worker for {self.name!r} did not start within {self.start_timeout_s:g} s")
+            try:
+                status, detail = parent.recv()
+            except (EOFError, OSError):
+                self._process.join(timeout=5)
+                raise RuntimeError(
+                    f"reward worker for {self.name!r} failed to start: it exited (exit code "
+                    f"{self._process.exitcode}) before it was ready"
+                ) from None
+            if status != "ready":
+                hint = ""
+                if detail.startswith("MemoryError") and self.memory_mb:
+                    hint = f" (its memory cap: algorithm.reward_worker_memory_mb={self.memory_mb})"
+                raise RuntimeError(f"reward worker for {self.name!r} failed to start: {detail}{hint}")
+        except RuntimeError:
             self.close()
-            raise RuntimeError(f"reward worker for {self.name!r} did not start within {_STARTUP_TIMEOUT_S:.0f} s")
-        status, detail = parent.recv()
-        if status != "ready":
-            self.close()
-            raise RuntimeError(f"reward worker for {self.name!r} failed to start: {detail}")
+            raise
+
+    def _worker_unavailable(self) -> Optional[RewardResult]:
+        """None when a worker is running or starts now; else the error to score: a start
+        failed now, or less than ``START_RETRY_S`` ago."""
+        if self._process is not None and self._process.is_alive():
+            return None
+        if self._start_failure is None or time.monotonic() - self._start_failed_at >= START_RETRY_S:
+            try:
+                self._start_worker()
+                self._start_failure = None
+                return None
+            except RuntimeError as exc:
+                self._start_failure, self._start_failed_at = str(exc), time.monotonic()
+                logger.warning(
+                    "%s; scoring reward errors (algorithm.reward_error_score) for %.0f s, then starting it again",
+                    exc,
+                    START_RETRY_S,
+                )
+        return RewardResult(score=self.error_score, correct=False, prediction=None, error=self._start_failure)
 
     def _score_in_worker(self, response: str, ground_truth: str) -> RewardResult:
-        if self._process is None or not self._process.is_alive():
-            self._start_worker()
+        unavailable = self._worker_unavailable()
+        if unavailable is not None:
+            return unavailable
         try:
             self._conn.send((response, ground_truth, self.error_score))
             if self._conn.poll(self.timeout_s):
