@@ -48,7 +48,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dapo_megatron.plan import format_plan, make_plan
 
     config = load_config(args.file, args.overrides)
-    plan = make_plan(config)
+    plan = make_plan(config, signal_lead_s=args.signal_lead_s)
     print(format_plan(plan))
     if not plan.fits:
         for problem in plan.problems:
@@ -301,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also place the whole job on a simulated cluster of the config's nodes and GPUs (a local Ray instance "
         "that declares them; no GPU needed), through the code train uses, with stand-in ranks and engines; print the "
         "per-node map and check it (every GPU one rank, engines on their node's GPUs and fed from it)",
+    )
+    plan.add_argument(
+        "--signal-lead-s",
+        type=float,
+        metavar="S",
+        help="the job's --signal lead time (sbatch --signal=B:USR1@S): check that trainer.stop_grace_s and the "
+        "workers' clean-up fit in it",
     )
     plan.add_argument(
         "--cpus-per-node",

@@ -512,10 +512,72 @@ class Plan:
     """The CPU runtime's whole-machine estimate (``parallel.device=cpu``)."""
     problems: list[Problem] = field(default_factory=list)
     suggestion: Optional[str] = None
+    stop: Optional[StopPlan] = None
+    """What a stop signal leaves to do, and whether it fits (see :func:`stop_plan`)."""
 
     @property
     def fits(self) -> bool:
         return not self.problems
+
+
+SAVE_GB_PER_S_PER_NODE = 1.0
+"""The write rate ``plan`` assumes for a checkpoint's writing nodes, each (a shared file
+system's per-client rate is of this order; a node with a faster one saves sooner)."""
+
+STOP_CLEANUP_S = 30.0
+"""What a stopped run needs after its save, within the job's ``--signal`` lead time: its
+workers stop (each within a bound) and the process exits."""
+
+
+@dataclass
+class StopPlan:
+    """The stop after SIGTERM/SIGUSR1 (``trainer.stop_grace_s``): generation is abandoned,
+    the actor's work in flight and the save of the last completed step must fit."""
+
+    grace_s: float
+    save_bytes: int
+    """A checkpoint: the bf16 (or fp32) weights plus the fp32 main weights and Adam's moments."""
+    writing_nodes: int
+    """Nodes of the first data-parallel replica (its ranks write the checkpoint)."""
+    save_s: float
+    """The save at :data:`SAVE_GB_PER_S_PER_NODE` on each writing node."""
+    signal_lead_s: Optional[float] = None
+    """The job's ``--signal`` lead time, when ``plan --signal-lead-s`` gives it."""
+
+    def problems(self) -> list[Problem]:
+        found = []
+        if self.save_s > self.grace_s:
+            found.append(
+                Problem(
+                    f"a save of {self.save_bytes / 1e9:.0f} GB takes about {self.save_s:.0f} s (at an assumed "
+                    f"{SAVE_GB_PER_S_PER_NODE:g} GB/s on each of {self.writing_nodes} writing node(s)), more than "
+                    f"trainer.stop_grace_s={self.grace_s:g}: a stop signal would end the run without its save; raise "
+                    "trainer.stop_grace_s (and the job's --signal lead time with it)",
+                    ("trainer.stop_grace_s",),
+                )
+            )
+        if self.signal_lead_s is not None and self.grace_s + STOP_CLEANUP_S > self.signal_lead_s:
+            found.append(
+                Problem(
+                    f"trainer.stop_grace_s={self.grace_s:g} plus {STOP_CLEANUP_S:g} s to stop the workers exceeds the "
+                    f"job's --signal lead time of {self.signal_lead_s:g} s: SLURM would kill the job before it "
+                    f"stops and it would not be requeued; set trainer.stop_grace_s at most "
+                    f"{self.signal_lead_s - STOP_CLEANUP_S:g} or signal earlier",
+                    ("trainer.stop_grace_s",),
+                )
+            )
+        return found
+
+
+def stop_plan(config: Config, signal_lead_s: Optional[float] = None) -> StopPlan:
+    """What a stop signal leaves to do for ``config`` (see :class:`StopPlan`)."""
+    p = config.parallel
+    params = count_parameters(config)
+    save_bytes = params * (parameter_bytes(config) + 12)
+    writers = p.tp_size * p.pp_size * p.cp_size
+    writing_nodes = max(1, -(-writers // p.num_devices_per_node)) if p.device != "cpu" else 1
+    save_s = save_bytes / (SAVE_GB_PER_S_PER_NODE * 1e9 * writing_nodes)
+    return StopPlan(config.trainer.stop_grace_s, save_bytes, writing_nodes, save_s, signal_lead_s)
 
 
 _ACTOR_KEYS = ("parallel.tp_size", "parallel.pp_size", "parallel.num_nodes", "parallel.num_devices_per_node")
@@ -657,8 +719,10 @@ def _with_overrides(config: Config, overrides: str) -> Config:
     return copy
 
 
-def make_plan(config: Config, *, suggest: bool = True) -> Plan:
-    """Count, place and estimate; on overflow, search for the smallest change that fits."""
+def make_plan(config: Config, *, suggest: bool = True, signal_lead_s: Optional[float] = None) -> Plan:
+    """Count, place and estimate; on overflow, search for the smallest change that fits.
+    With ``signal_lead_s`` (the job's ``--signal`` lead time), also check that a stop
+    signal's save fits in it (:func:`stop_plan`)."""
     m, p = config.model, config.parallel
     memory = estimate_memory(config)
     host = estimate_host_memory(config, memory) if p.device == "cpu" else None
@@ -688,6 +752,11 @@ def make_plan(config: Config, *, suggest: bool = True) -> Plan:
                 )
             else:
                 plan.suggestion = "no single change fits; use more nodes (parallel.num_nodes)"
+    plan.stop = stop_plan(config, signal_lead_s)
+    stop_problems = plan.stop.problems()
+    if stop_problems:
+        plan.problems += stop_problems
+        plan.suggestion = plan.suggestion or "trainer.stop_grace_s and the job's --signal lead time (see above)"
     return plan
 
 
@@ -815,6 +884,18 @@ def format_plan(plan: Plan) -> str:
         f"collective timeout: {p.timeout_minutes:g} min (parallel.timeout_minutes): ranks wait in collectives while "
         "training, computing log-probs, saving and syncing weights, never while the engines generate"
     )
+    if plan.stop is not None:
+        stop = plan.stop
+        lead = (
+            f"; the job's --signal lead time {stop.signal_lead_s:g} s"
+            if stop.signal_lead_s is not None
+            else " (plan --signal-lead-s checks it against the job's --signal lead time)"
+        )
+        lines.append(
+            f"stop on SIGTERM/SIGUSR1: generation in flight is abandoned; the actor's work in flight and the save "
+            f"({stop.save_bytes / 1e9:.1f} GB, ~{stop.save_s:.0f} s at an assumed {SAVE_GB_PER_S_PER_NODE:g} GB/s on "
+            f"each of {stop.writing_nodes} writing node(s)) must fit in trainer.stop_grace_s={stop.grace_s:g} s{lead}"
+        )
     traffic = sync_traffic_plan(c)
     if traffic:
         lines.append(traffic)

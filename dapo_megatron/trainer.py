@@ -112,6 +112,34 @@ class BadStepCounter:
             )
 
 
+class StopBudget:
+    """Whether a stop signal's work fits in ``trainer.stop_grace_s``: a signal abandons
+    generation, but the actor's log-probs and updates in flight finish and the save
+    follows. Measured at each save; warns once when a step's actor work plus its save
+    took longer (``plan`` can only estimate the save)."""
+
+    ACTOR_PHASES = ("time/old_log_prob", "time/ref_log_prob", "time/train")
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.warned = False
+
+    def check(self, step: int, metrics: dict[str, float], save_s: float) -> None:
+        actor_s = sum(metrics.get(phase, 0.0) for phase in self.ACTOR_PHASES)
+        if self.warned or actor_s + save_s <= self.grace_s:
+            return
+        self.warned = True
+        logger.warning(
+            "step %d: the actor's work took %.0f s and the save %.0f s, together more than trainer.stop_grace_s=%g: "
+            "a stop signal during the updates would end the run without its save (exit 75 from the previous "
+            "checkpoint); raise trainer.stop_grace_s and the job's --signal lead time",
+            step,
+            actor_s,
+            save_s,
+            self.grace_s,
+        )
+
+
 @dataclass
 class TrainResult:
     """What a finished run reports."""
@@ -241,6 +269,7 @@ def train(
 
         val_after = val_before
         bad_steps = BadStepCounter(config.trainer.max_bad_steps_in_a_row)
+        stop_budget = StopBudget(config.trainer.stop_grace_s)
         stepper = Stepper(system, loader, sampling, tokenizer, version=start_step)
         stack.callback(stepper.close)
         ahead_file = point[1].get("generated_ahead") if point is not None else None
@@ -279,7 +308,9 @@ def train(
                 metrics_log.log_histogram(step, name, values)
             bad_steps.record(step, step_metrics, last_checkpoint)
             if due or stop.signal_name is not None or failed is not None:
+                saving = time.perf_counter()
                 last_checkpoint = save(step)
+                stop_budget.check(step, step_metrics, time.perf_counter() - saving)
             if failed is not None and step < config.trainer.num_steps:
                 raise GenerationAheadFailed(failed.step, failed.cause, checkpoint=last_checkpoint) from failed.cause
             if failed is not None:

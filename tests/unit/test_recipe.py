@@ -140,6 +140,28 @@ def test_plan_refuses_layouts_that_cannot_fit(overrides, reason, suggestion, cap
     assert reason in err and "smallest change that fits" in err
 
 
+def test_plan_checks_that_a_stop_signal_s_save_fits_the_grace_and_the_job_s_lead_time(capsys):
+    """The recipe's save (458.7 GB = its parameters x (2 + 12) bytes, written by the 2
+    nodes of the first replica) fits in its trainer.stop_grace_s, and that in the 1800 s
+    train.sbatch signals ahead; a grace too short for the save, or too long for the lead
+    time, is refused naming the key."""
+    plan = make_plan(load_config(RECIPE), signal_lead_s=1800)
+    assert plan.fits, plan.problems
+    assert plan.stop.save_bytes == plan.num_parameters * 14 and plan.stop.writing_nodes == 2
+    assert plan.stop.save_s == pytest.approx(plan.stop.save_bytes / 2e9)
+    short = make_plan(load_config(RECIPE, ["trainer.stop_grace_s=120"]), signal_lead_s=1800)
+    (problem,) = short.problems
+    assert "a save of 459 GB takes about 229 s" in problem.message and problem.keys == ("trainer.stop_grace_s",)
+    assert main(["plan", str(RECIPE), "--signal-lead-s", "300"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "trainer.stop_grace_s=1740 plus 30 s to stop the workers exceeds the job's --signal lead time of 300 s" in err
+    )
+    assert "set trainer.stop_grace_s at most 270" in err
+    assert main(["plan", str(RECIPE)]) == 0  # without the lead time only the save is checked
+    assert "must fit in trainer.stop_grace_s=1740 s (plan --signal-lead-s checks it" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -341,7 +363,7 @@ def test_a_requeued_job_resumes_the_run_it_finds(tmp_path):
     train = [line for line in result.stdout.splitlines() if "dapo-megatron train" in line]
     assert len(train) == 1 and train[0].endswith(" --resume")
     script = (SCRIPTS / "train.sbatch").read_text()
-    assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@300" in script
+    assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@1800" in script
     assert "trap 'forward_to_train USR1' USR1" in script and "(( status == 75 ))" in script
 
 

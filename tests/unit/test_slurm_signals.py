@@ -166,7 +166,7 @@ def _finish(job, state: Path, left_behind: tuple[Path, ...] = ()) -> str:
 
 
 def test_the_time_limit_signal_saves_while_ray_is_up_then_requeues(cluster_stand_ins):
-    """USR1 to the batch shell only (`--signal=B:USR1@300`): the trainer gets it and saves
+    """USR1 to the batch shell only (`--signal=B:USR1@1800`): the trainer gets it and saves
     while all 3 `ray start` steps are up; then the job is requeued and Ray stopped."""
     env, state = cluster_stand_ins
     job = _start(env)
