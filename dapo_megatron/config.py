@@ -40,6 +40,7 @@ from dapo_megatron.model_config import (  # noqa: F401  (re-exported: the config
     resolve_model_shape,
 )
 from dapo_megatron.models.families import families, family_named
+from dapo_megatron.sequence_pad import round_up, sequence_pad_multiple
 
 # --------------------------------------------------------------------------- sections
 
@@ -288,7 +289,9 @@ class TrainerConfig:
     """Rollout steps to run."""
     micro_batch_max_tokens: int = 32768
     """Token budget of one micro-batch: the tokens of its packed row (``pack_sequences``),
-    or its rows x its longest row (padded rows)."""
+    or its rows x its longest row (padded rows). Rows are rounded up to the sequence pad
+    multiple (``tp_size`` with sequence parallelism, ``16 x tp_size`` with fp8), so it must
+    hold ``rollout.max_prompt_length + rollout.max_response_length`` rounded up to it."""
     pack_sequences: bool = True
     """Pack several sequences (prompt + response) into one row of up to
     ``micro_batch_max_tokens`` tokens, each attending only to itself and its positions
@@ -822,10 +825,31 @@ def _validate_layout(config: Config, fail) -> None:
         )
 
 
+_ROUTER_LOSSES = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
+EXPERT_SETTINGS = (*MOE_FIELDS, *_ROUTER_LOSSES)
+"""The model keys that act only on a family with experts (refused on a dense one)."""
+
+
 def _validate_experts(config: Config, fail) -> None:
     """The mixture-of-experts shape and ``parallel.ep_size`` against it and the layout."""
     m, p = config.model, config.parallel
     if m.family not in families() or not family_named(m.family).moe:
+        # What a dense model's config holds anyway (also in the resolved config written into
+        # a run folder): experts unset, router losses off. Anything else would be ignored.
+        ignored = [
+            name
+            for name in EXPERT_SETTINGS
+            if getattr(m, name) is not None and not (name in _ROUTER_LOSSES and getattr(m, name) == 0)
+        ]
+        if ignored:
+            keys = tuple(f"model.{name}" for name in ignored)
+            moe_families = ", ".join(name for name, family in families().items() if family.moe)
+            fail(
+                keys,
+                f"{', '.join(f'model.{name}={getattr(m, name)!r}' for name in ignored)} would be ignored: "
+                f"model.family={m.family!r} is a dense family with no experts (mixture-of-experts families: "
+                f"{moe_families}); remove {', '.join(keys)}, or point model.hf_config at a mixture-of-experts model",
+            )
         if p.ep_size != 1:
             fail(
                 ("parallel.ep_size", "model.hf_config"),
@@ -1006,12 +1030,25 @@ def _validate_batches(config: Config, fail) -> None:
             ("data.gen_batch_size", "data.train_batch_size", "algorithm.dynamic_sampling"),
             f"data.gen_batch_size={d.gen_batch_size} is below data.train_batch_size={d.train_batch_size} without dynamic sampling",
         )
-    if t.micro_batch_max_tokens < r.max_prompt_length + r.max_response_length:
+    # The longest sequence as the actor's planners see it: a row rounded up to the pad multiple.
+    longest = r.max_prompt_length + r.max_response_length
+    pad_multiple = sequence_pad_multiple(p.tp_size, p.sequence_parallel, config.model.fp8)
+    width = round_up(longest, pad_multiple)
+    if t.micro_batch_max_tokens < width:
+        keys = ("trainer.micro_batch_max_tokens", "rollout.max_prompt_length", "rollout.max_response_length")
+        rounded = ""
+        if width != longest:
+            reason = "model.fp8" if config.model.fp8 else "parallel.sequence_parallel"
+            keys += ("parallel.tp_size", reason)
+            rounded = (
+                f", a row of {width} once rounded up to the sequence pad multiple {pad_multiple} "
+                f"(parallel.tp_size={p.tp_size} with {reason}=true)"
+            )
         fail(
-            ("trainer.micro_batch_max_tokens", "rollout.max_prompt_length", "rollout.max_response_length"),
+            keys,
             f"trainer.micro_batch_max_tokens={t.micro_batch_max_tokens} must hold one full sequence: "
-            f"rollout.max_prompt_length + rollout.max_response_length = "
-            f"{r.max_prompt_length + r.max_response_length}",
+            f"rollout.max_prompt_length + rollout.max_response_length = {longest} tokens{rounded}; set "
+            f"trainer.micro_batch_max_tokens to at least {width}",
         )
     if t.lr <= 0:
         fail(("trainer.lr",), f"trainer.lr={t.lr} must be > 0")

@@ -81,7 +81,8 @@ class ModelConfig:
     no token is dropped and every log-prob is exact."""
     moe_z_loss_coeff: float = 0.0
     """Coefficient of the router z-loss (the squared log-sum-exp of the router logits,
-    megatron's ``moe_z_loss_coeff``); 0 turns it off."""
+    megatron's ``moe_z_loss_coeff``); 0 turns it off. This and the other expert keys are
+    refused on a dense family (they would do nothing)."""
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times ``parallel.tp_size``; padded
     entries never produce a token or a log-prob."""

@@ -37,7 +37,7 @@ from dapo_megatron.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_megatron.config import Config
 from dapo_megatron.data import Prompt
 from dapo_megatron.experience import Sample, apply_rewards, response_metrics, samples_from_record, samples_record
-from dapo_megatron.rollout.engine import SamplingParams, StreamGroup, StreamRow, sampling_seeds
+from dapo_megatron.rollout.engine import SamplingParams, StreamGroup, StreamRow, prompt_sampling_seeds
 
 KEY_STEP_SHIFT = 32
 """A group's key is ``step << KEY_STEP_SHIFT | draw index within the step``."""
@@ -246,7 +246,7 @@ class StreamingSampler:
         per_round = d.gen_batch_size or d.train_batch_size
         round_index, position = divmod(index, per_round)
         n = r.n_samples_per_prompt
-        seeds = sampling_seeds(r.seed, step, round_index, position + 1, n)[position * n :]
+        seeds = prompt_sampling_seeds(r.seed, step, round_index, position, n)
         group = StreamGroup(step << KEY_STEP_SHIFT | index, list(prompt.token_ids), [StreamRow(s) for s in seeds])
         return _Open(prompt, -1, group)
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from dapo_megatron.actor.packing import round_up
+from dapo_megatron.sequence_pad import round_up
 
 
 @dataclass
@@ -132,20 +132,6 @@ class PolicyBatch:
             raise ValueError(f"cannot split {self.num_rows} rows into {num_parts} equal mini-batches")
         size = self.num_rows // num_parts
         return [self.select(list(range(i * size, (i + 1) * size))) for i in range(num_parts)]
-
-
-FP8_TOKEN_MULTIPLE = 16
-"""Transformer Engine's fp8 GEMMs need the token count divisible by 8; 16 is what its
-own padding helpers use."""
-
-
-def sequence_pad_multiple(tp_size: int, sequence_parallel: bool, fp8: bool) -> int:
-    """What every micro-batch's width is rounded up to: the tensor-parallel size with
-    sequence parallelism (the sequence is split over the TP ranks); with fp8,
-    ``16 x tp`` so that each rank's share of every row is a multiple of 16 tokens."""
-    if fp8:
-        return FP8_TOKEN_MULTIPLE * tp_size
-    return tp_size if sequence_parallel else 1
 
 
 def plan_micro_batches(seq_lengths: list[int], max_tokens: int, pad_multiple: int = 1) -> list[list[int]]:

@@ -35,10 +35,7 @@ from __future__ import annotations
 
 import torch
 
-
-def round_up(value: int, multiple: int) -> int:
-    """``value`` rounded up to a multiple of ``multiple``."""
-    return -(-value // multiple) * multiple
+from dapo_megatron.sequence_pad import round_up
 
 
 def plan_packed_micro_batches(seq_lengths: list[int], max_tokens: int, pad_multiple: int = 1) -> list[list[int]]:

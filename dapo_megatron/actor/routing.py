@@ -57,9 +57,12 @@ class RoutingMonitor:
     def __init__(self, gpt, model_config, device, tp_rank: int, tp_size: int, sequence_parallel: bool) -> None:
         self.routers = routers_of(gpt)
         self.config = gpt.config
-        self.coefficients = {
+        # Each loss's "off" as megatron tests it: the load-balancing loss is skipped when its
+        # coefficient == 0, the z-loss only when it is None (0.0 would still compute a
+        # logsumexp per layer and store z_loss / 0 = NaN in megatron's tracker).
+        self.coefficients: dict[str, Optional[float]] = {
             "moe_aux_loss_coeff": model_config.moe_aux_loss_coeff or 0.0,
-            "moe_z_loss_coeff": model_config.moe_z_loss_coeff or 0.0,
+            "moe_z_loss_coeff": model_config.moe_z_loss_coeff or None,
         }
         self.scaled = dict(self.coefficients)
         self.device = device
@@ -158,7 +161,9 @@ class RoutingMonitor:
         ones over the update's real micro-batches summed over ``group`` (data-parallel ranks)."""
         total = torch.tensor([float(num_real_micro_batches)], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=group)
-        self.scaled = {name: value / max(float(total), 1.0) for name, value in self.coefficients.items()}
+        self.scaled = {
+            name: value / max(float(total), 1.0) if value else value for name, value in self.coefficients.items()
+        }
 
     def metrics(self) -> dict[str, float]:
         """The pass's routing metrics over every rank (a collective over all of them)."""

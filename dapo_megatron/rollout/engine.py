@@ -66,7 +66,22 @@ def sampling_seeds(seed: int, step: int, round_index: int, num_prompts: int, n: 
     xor-shifts, multiplying by odd numbers). Within a run no two rows of any step or
     round share a seed, by construction (the old ``seed + row`` / ``+ engine`` /
     ``+ 1009 * round`` scheme made them overlap); ValueError when a field exceeds its bits."""
-    fields = {"step": step, "round": round_index, "prompt": num_prompts - 1, "sample": n - 1}
+    base, offset = _seed_base(seed, step, round_index, num_prompts - 1, n)
+    return tuple(row_seed for prompt in range(num_prompts) for row_seed in _prompt_seeds(base, offset, prompt, n))
+
+
+def prompt_sampling_seeds(seed: int, step: int, round_index: int, prompt: int, n: int) -> tuple[int, ...]:
+    """The ``n`` seeds of prompt ``prompt`` alone, the same as :func:`sampling_seeds`'s
+    rows ``prompt * n`` to ``(prompt + 1) * n`` of a request of any number of prompts
+    beyond it, computed in O(n) (a streamed draw is one prompt of a round)."""
+    base, offset = _seed_base(seed, step, round_index, prompt, n)
+    return _prompt_seeds(base, offset, prompt, n)
+
+
+def _seed_base(seed: int, step: int, round_index: int, last_prompt: int, n: int) -> tuple[int, int]:
+    """The packed (step, round) bits and the run seed's offset, after checking every field
+    (prompt indices up to ``last_prompt``) fits its bits."""
+    fields = {"step": step, "round": round_index, "prompt": last_prompt, "sample": n - 1}
     for name, value in fields.items():
         if not 0 <= value < 1 << SEED_FIELD_BITS[name]:
             raise ValueError(
@@ -75,12 +90,12 @@ def sampling_seeds(seed: int, step: int, round_index: int, num_prompts: int, n: 
                 "round or samples per prompt"
             )
     base = ((step << SEED_FIELD_BITS["round"]) | round_index) << (SEED_FIELD_BITS["prompt"] + SEED_FIELD_BITS["sample"])
-    offset = (seed * 0x9E3779B97F4A7C15) & _MASK63
-    return tuple(
-        _mix63((base | (prompt << SEED_FIELD_BITS["sample"]) | sample) + offset)
-        for prompt in range(num_prompts)
-        for sample in range(n)
-    )
+    return base, (seed * 0x9E3779B97F4A7C15) & _MASK63
+
+
+def _prompt_seeds(base: int, offset: int, prompt: int, n: int) -> tuple[int, ...]:
+    row = base | (prompt << SEED_FIELD_BITS["sample"])
+    return tuple(_mix63((row | sample) + offset) for sample in range(n))
 
 
 def continuation_seed(seed: int, length: int) -> int:

@@ -61,11 +61,13 @@ class Reordered:
     def __init__(self, engines) -> None:
         self.inner, self.engines = engines, engines.engines
         self.aborted: list[int] = []  # keys of the groups every abort cut
+        self.aborted_tokens = 0  # the tokens those groups held
 
     def stream_tick(self, adds, params, max_tokens, abort=False):
         answers = self.inner.stream_tick(adds, params, max_tokens, abort)
         if abort:
             self.aborted += [g.key for answer in answers for g in answer["groups"]]
+            self.aborted_tokens += sum(g.num_tokens for answer in answers for g in answer["groups"])
         arrived = [g for answer in answers[::-1] for g in answer["groups"][::-1]]
         return [{**answer, "groups": arrived if i == len(answers) - 1 else []} for i, answer in enumerate(answers)]
 
@@ -180,9 +182,16 @@ def test_partial_responses_continue_from_their_prefixes_and_aborted_groups_are_n
         sampler = _sampler(config, proxy, rewards)
         trained = []
         for step in (1, 2, 3):
+            groups_before, tokens_before = len(proxy.aborted), proxy.aborted_tokens
             samples, metrics = sampler.collect(step, 0, {})
             trained += [s.group_id for s in samples]
-            assert metrics["stream/aborted_groups"] >= 0
+            # Without carry_over or partial_rollout every group the step's abort cuts is
+            # thrown away and counted: exactly the groups (of this step) and tokens the
+            # engines handed back from the abort.
+            cut = proxy.aborted[groups_before:]
+            assert metrics["stream/aborted_groups"] == len(cut)
+            assert metrics["stream/aborted_tokens"] == proxy.aborted_tokens - tokens_before
+            assert {key >> 32 for key in cut} <= {step}
         aborted = {(key >> 32, key & 0xFFFFFFFF) for key in proxy.aborted}
         assert aborted and not aborted & set(trained)
 

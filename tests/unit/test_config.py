@@ -230,6 +230,56 @@ def test_qwen3_moe_shape_and_router_defaults_come_from_config_json(tmp_path):
     assert load_config(tmp_path / "run.yaml").model.num_experts == 64
 
 
+def test_expert_settings_on_a_dense_family_are_refused_naming_the_key_and_the_family(tmp_path):
+    """A dense model (qwen2, qwen3) has no router: a mixture-of-experts key set on one
+    would be accepted and do nothing. Each is refused, naming where it was set, the key,
+    its value and the family; values a dense model's config holds anyway (unset experts,
+    router losses 0, as the resolved config written into a run folder has them) load."""
+    run = write_yaml(tmp_path, tiny())
+    assert error_of(run, ["model.num_experts=8"]) == (
+        "command line: model.num_experts=8 would be ignored: model.family='qwen2' is a dense family with no "
+        "experts (mixture-of-experts families: qwen3_moe); remove model.num_experts, or point model.hf_config "
+        "at a mixture-of-experts model"
+    )
+    for override in (
+        "model.moe_aux_loss_coeff=0.3",
+        "model.moe_z_loss_coeff=0.5",
+        "model.moe_router_topk=2",
+        "model.moe_ffn_hidden_size=16",
+        "model.moe_norm_topk_prob=false",
+        "model.decoder_sparse_step=2",
+        "model.mlp_only_layers=[0]",
+    ):
+        key = override.split("=")[0]
+        message = error_of(run, [override])
+        assert message.startswith(f"command line: {key}=") and f"remove {key}," in message, message
+        assert "model.family='qwen2'" in message
+    # Several at once, set in the file: all named, with the file as the source.
+    data = tiny(model={"moe_aux_loss_coeff": 0.3, "moe_z_loss_coeff": 0.5, "num_experts": 8})
+    message = error_of(write_yaml(tmp_path, data, "dense.yaml"))
+    assert message.startswith(f"{tmp_path / 'dense.yaml'}: model.num_experts=8, model.moe_aux_loss_coeff=0.3, ")
+    assert "remove model.num_experts, model.moe_aux_loss_coeff, model.moe_z_loss_coeff," in message
+    # qwen3, read from a config.json: the family is named.
+    dense = {k: v for k, v in QWEN3_MOE.items() if k not in ("moe_intermediate_size", "num_experts")}
+    (tmp_path / "qwen3.json").write_text(json.dumps({**dense, "model_type": "qwen3"}))
+    qwen3 = tmp_path / "qwen3.yaml"
+    qwen3.write_text(
+        "model: {hf_config: qwen3.json, moe_z_loss_coeff: 0.001}\n"
+        "parallel: {device: cpu, num_devices_per_node: 8, tp_size: 2}\nrollout: {engine: hf}\n"
+    )
+    assert error_of(qwen3).startswith(f"{qwen3}: model.moe_z_loss_coeff=0.001 would be ignored: model.family='qwen3'")
+    # Not tripped by defaults, by config.json's keys a dense model ignores
+    # (num_experts_per_tok, router_aux_loss_coef above), by the coefficients' "off", or by a
+    # resolved config written back; an MoE family takes every one of the keys.
+    assert load_config(qwen3, ["model.moe_z_loss_coeff=0"]).model.family == "qwen3"
+    cfg = load_config(run, ["model.moe_aux_loss_coeff=0", "model.moe_z_loss_coeff=0.0"])
+    (tmp_path / "resolved.yaml").write_text(cfg.to_yaml())
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+    assert (cfg.model.num_experts, cfg.model.moe_aux_loss_coeff, cfg.model.moe_z_loss_coeff) == (None, 0.0, 0.0)
+    moe = load_config(_moe_run(tmp_path), ["model.moe_z_loss_coeff=0.5", "model.moe_aux_loss_coeff=0.3"]).model
+    assert (moe.moe_z_loss_coeff, moe.moe_aux_loss_coeff, moe.num_experts) == (0.5, 0.3, 128)
+
+
 def test_expert_parallel_size_is_checked_with_the_nearest_valid_values(tmp_path):
     run = _moe_run(tmp_path)
     assert error_of(run, ["parallel.ep_size=3"]) == (
@@ -500,3 +550,66 @@ def test_reward_worker_memory_cap_is_at_least_0(tmp_path):
         ).algorithm.reward_worker_memory_mb
         == 0
     )
+
+
+def _one_sequence_run(tmp_path, budget: int, name: str = "fits.yaml", **parallel) -> Path:
+    data = tiny(
+        parallel={"num_devices_per_node": 4, "tp_size": 4, "pp_size": 1, "sequence_parallel": True, **parallel},
+        rollout={"max_prompt_length": 61, "max_response_length": 128},
+        trainer={"micro_batch_max_tokens": budget},
+    )
+    return write_yaml(tmp_path, data, name)
+
+
+def test_one_full_sequence_must_fit_a_micro_batch_after_the_actors_rounding(tmp_path):
+    """The longest sequence (61 + 128 = 189 tokens) at tp 4 with sequence parallelism is a
+    192-token row for the actor; a budget of 189 validated and then failed at the first
+    train step, after a whole generation. Refused at validation, with the rounding named;
+    192 is accepted; validation and both planners decide alike, by the same functions."""
+    message = error_of(_one_sequence_run(tmp_path, 189))
+    assert message == (
+        f"{tmp_path / 'fits.yaml'}: trainer.micro_batch_max_tokens=189 must hold one full sequence: "
+        "rollout.max_prompt_length + rollout.max_response_length = 189 tokens, a row of 192 once rounded up to "
+        "the sequence pad multiple 4 (parallel.tp_size=4 with parallel.sequence_parallel=true); set "
+        "trainer.micro_batch_max_tokens to at least 192"
+    )
+    assert load_config(_one_sequence_run(tmp_path, 192)).trainer.micro_batch_max_tokens == 192
+    # Without sequence parallelism nothing is rounded: 189 holds the sequence.
+    assert load_config(_one_sequence_run(tmp_path, 189, sequence_parallel=False)).parallel.tp_size == 4
+    assert "a row of" not in error_of(_one_sequence_run(tmp_path, 188, sequence_parallel=False))
+    # fp8 rounds each tensor-parallel rank's share to 16 tokens: a multiple of 64 at tp 4.
+    fp8 = _one_sequence_run(tmp_path, 191, "fp8.yaml", device="cuda")
+    assert error_of(fp8, ["model.fp8=true"]).endswith(
+        "a row of 192 once rounded up to the sequence pad multiple 64 (parallel.tp_size=4 with model.fp8=true); "
+        "set trainer.micro_batch_max_tokens to at least 192"
+    )
+    # The actor's functions are validation's (one rounding, not two copies of it) ...
+    from dapo_megatron import sequence_pad
+    from dapo_megatron.actor import batch, megatron_actor, packing
+
+    assert megatron_actor.sequence_pad_multiple is sequence_pad.sequence_pad_multiple
+    assert megatron_actor.round_up is packing.round_up is batch.round_up is sequence_pad.round_up
+    # ... and validation refuses exactly the budgets with which the planners would raise.
+    for tp, sequence_parallel in ((4, True), (2, True), (4, False), (1, False)):
+        pad = megatron_actor.sequence_pad_multiple(tp, sequence_parallel, False)
+        for budget in range(186, 198):
+            run = _one_sequence_run(
+                tmp_path,
+                budget,
+                f"run_{tp}_{sequence_parallel}_{budget}.yaml",
+                tp_size=tp,
+                sequence_parallel=sequence_parallel,
+                num_devices_per_node=tp,
+            )
+            try:
+                load_config(run)
+                refused = False
+            except ConfigError:
+                refused = True
+            for planner in (packing.plan_packed_micro_batches, batch.plan_micro_batches):
+                try:
+                    planner([189, 60], budget, pad)
+                    raised = False
+                except ValueError:
+                    raised = True
+                assert raised == refused, (tp, sequence_parallel, budget, planner.__name__)

@@ -75,3 +75,48 @@ def test_resume_refuses_changed_data_settings():
     config.rollout.n_samples_per_prompt = 3
     with pytest.raises(ConfigError, match=r"data.seed=43 \(saved with 42\), rollout.n_samples_per_prompt=3"):
         _check_resumable((Path("ckpt"), state), config, 10)
+
+
+def test_a_streamed_draw_computes_only_its_own_rows_seeds(monkeypatch):
+    """A streamed draw's rows get the seeds the same prompt of a generation round gets
+    (the full round's computation, sliced), and computing them costs n mixes, not the
+    (position + 1) x n of every earlier prompt of the round (O(G^2 n) a round)."""
+    from types import SimpleNamespace
+
+    from dapo_megatron.data.prompts import Prompt
+    from dapo_megatron.rollout import engine as engine_module
+    from dapo_megatron.stream_sampling import KEY_STEP_SHIFT, StreamingSampler
+
+    def sampler(seed: int, n: int, gen_batch_size: int):
+        rollout = SimpleNamespace(seed=seed, n_samples_per_prompt=n)
+        data = SimpleNamespace(gen_batch_size=gen_batch_size, train_batch_size=gen_batch_size)
+        return SimpleNamespace(config=SimpleNamespace(rollout=rollout, data=data))
+
+    prompt = Prompt(0, (1, 2, 3), "1", "test", "p")
+    fake = sampler(1234, 3, 7)
+    for step in (0, 1, 5, 200):
+        for index in range(23):  # rounds 0..3, every position of a round
+            round_index, position = divmod(index, 7)
+            group = StreamingSampler._new_group(fake, step, index, prompt).group
+            full = sampling_seeds(1234, step, round_index, 7, 3)
+            assert [row.seed for row in group.rows] == list(full[position * 3 : (position + 1) * 3])
+            assert group.key == step << KEY_STEP_SHIFT | index
+    # The work per draw: one mix per row, at the last draw of a 1,536-prompt round too.
+    real_mix, calls = engine_module._mix63, []
+    monkeypatch.setattr(engine_module, "_mix63", lambda x: calls.append(x) or real_mix(x))
+    group = StreamingSampler._new_group(sampler(99, 16, 1536), 4, 2 * 1536 + 1535, prompt).group
+    assert len(calls) == 16
+    monkeypatch.setattr(engine_module, "_mix63", real_mix)
+    assert [row.seed for row in group.rows] == list(sampling_seeds(99, 4, 2, 1536, 16)[1535 * 16 :])
+    # Out-of-range fields are refused as for a round's seeds.
+    with pytest.raises(ValueError, match="round 1024 is outside"):
+        StreamingSampler._new_group(sampler(0, 2, 1), 0, 1024, prompt)
+    # The seeds themselves are those of the code before (a run resumed across the change
+    # samples the same rows): values computed by the earlier full computation.
+    assert sampling_seeds(1234, 5, 1, 2, 2) == (
+        6825905800330782499,
+        2029199537478595994,
+        5876359748925259714,
+        2393014427562856502,
+    )
+    assert engine_module.prompt_sampling_seeds(1234, 5, 1, 1, 2) == (5876359748925259714, 2393014427562856502)
