@@ -74,11 +74,17 @@ class ModelConfig:
     mlp_only_layers: Optional[list[int]] = None
     """Layers that keep a dense MLP of width ``ffn_hidden_size`` (HF ``mlp_only_layers``)."""
     moe_aux_loss_coeff: Optional[float] = None
-    """Coefficient of the router's load-balancing loss (megatron's ``moe_aux_loss_coeff``,
-    one loss per layer and micro-batch, averaged over the micro-batches of an update);
-    defaults to the HF config's ``router_aux_loss_coef`` (0.001 in Qwen3-MoE). 0 turns it
-    off. It changes the gradient, never the log-probs: routing has no capacity limit, so
-    no token is dropped and every log-prob is exact."""
+    """Coefficient of the router's load-balancing loss, megatron's ``moe_aux_loss_coeff``:
+    *per MoE layer*, each layer's loss (1 for balanced routing) times it, summed over the
+    layers, per micro-batch and averaged over the micro-batches of an update. 0 turns it
+    off. The default means what the HF config means (:func:`hf_aux_loss_per_layer`): HF
+    adds ``router_aux_loss_coef`` times *one* loss pooled over the MoE layers (top-k for
+    balanced routing), and only when ``output_router_logits`` is true, so the default is
+    0 when it is false (Qwen3-30B-A3B's config, transformers' default) and otherwise
+    ``router_aux_loss_coef x moe_router_topk / MoE layers`` (0.001 x 8 / 48 = 1.67e-4
+    there; 0.001 per layer would be 6x HF's weight). It changes the gradient, never the
+    log-probs: routing has no capacity limit, so no token is dropped and every log-prob
+    is exact."""
     moe_z_loss_coeff: float = 0.0
     """Coefficient of the router z-loss (the squared log-sum-exp of the router logits,
     megatron's ``moe_z_loss_coeff``); 0 turns it off. This and the other expert keys are
@@ -146,11 +152,32 @@ def moe_layers(model: ModelConfig) -> list[bool]:
     return [i not in dense and (i + 1) % step == 0 for i in range(model.num_layers)]
 
 
+def hf_aux_loss_per_layer(router_aux_loss_coef: float, output_router_logits: bool, topk: int, moe_layers: int) -> float:
+    """Megatron's per-layer load-balancing coefficient that weighs the loss as an HF
+    Qwen3-MoE config does.
+
+    HF (``load_balancing_loss_func``) pools the router statistics of the ``L`` MoE layers:
+    with ``F_e`` the top-k assignments to expert ``e`` over all layers and tokens divided
+    by ``L*T`` and ``Q_e`` its mean router probability, it adds
+    ``router_aux_loss_coef * E * sum_e F_e Q_e`` (= ``coef * k`` when balanced), and only
+    when ``output_router_logits`` is true (else no loss at all). Megatron
+    (``switch_load_balancing_loss_func``) adds, per layer ``l``,
+    ``c * E * sum_e f_le P_le`` with ``f_le`` the share of the layer's assignments
+    (``F`` over ``k``, per layer) and ``P_le`` its mean probability (1 per layer when
+    balanced), summed over the layers. With ``c = coef * k / L`` the two are equal, in
+    value and gradient, whenever every layer routes alike, and otherwise differ only in
+    that HF multiplies pooled loads and megatron each layer's own."""
+    if not output_router_logits or router_aux_loss_coef == 0 or moe_layers == 0:
+        return 0.0
+    return router_aux_loss_coef * topk / moe_layers
+
+
 def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
     """Read the model shape from the HF ``config.json`` (file or folder) of a supported family.
 
     Returns a dict keyed by :class:`ModelConfig` field names, plus ``router_aux_loss_coef``
-    for a family with experts (the default of ``model.moe_aux_loss_coeff``, not a shape). Handles both spellings of
+    and ``output_router_logits`` for a family with experts (what the default of
+    ``model.moe_aux_loss_coeff`` is derived from, not a shape). Handles both spellings of
     the RoPE base: top-level ``rope_theta`` (transformers 4.x, released Qwen2.5) and
     ``rope_parameters.rope_theta`` (transformers 5.x).
     """
@@ -192,6 +219,8 @@ def read_hf_model_shape(hf_config: str | os.PathLike) -> dict[str, Any]:
                 raise ConfigError(f"model.hf_config={str(hf_config)!r}: {path} has no {keys[0]!r}")
             shape[name] = value
         shape["router_aux_loss_coef"] = float(hf.get("router_aux_loss_coef", 0.0))
+        # transformers' default: off (no load-balancing loss in HF's training).
+        shape["output_router_logits"] = bool(hf.get("output_router_logits", False))
     shape["rms_norm_eps"] = float(shape["rms_norm_eps"])
     shape["rope_theta"] = float(shape["rope_theta"])
     return shape
@@ -212,8 +241,7 @@ def resolve_model_shape(model: ModelConfig, where: Any = None) -> None:
             )
             raise ConfigError(f"{source}: {exc}{hint}") from None
         aux_loss_coef = shape.pop("router_aux_loss_coef", None)
-        if model.moe_aux_loss_coeff is None:
-            model.moe_aux_loss_coeff = aux_loss_coef
+        output_router_logits = shape.pop("output_router_logits", False)
         for name, value in shape.items():
             current = getattr(model, name)
             if current is None:
@@ -224,6 +252,10 @@ def resolve_model_shape(model: ModelConfig, where: Any = None) -> None:
                     f"{_hf_key(name)}={value!r} in model.hf_config={model.hf_config!r}; "
                     f"remove model.{name} or point model.hf_config at the right model"
                 )
+        if model.moe_aux_loss_coeff is None and aux_loss_coef is not None:
+            model.moe_aux_loss_coeff = hf_aux_loss_per_layer(
+                aux_loss_coef, output_router_logits, model.moe_router_topk, sum(moe_layers(model))
+            )
     if model.family is None:
         model.family = DEFAULT_MODEL_TYPE
     if model.head_dim is None and model.hidden_size and model.num_attention_heads:

@@ -18,8 +18,12 @@ in the two phases of a colocated DAPO step:
 
 Both phases also hold, on a stage's leader, the weight sync's q/k/v export buffers: the
 HF-layout q, k and v of every layer of the stage, gathered over tensor parallelism and
-kept between syncs (2.3 GiB at 32B with pp 2). The CPU runtime's sync sends shards as
-they are and keeps none.
+kept between syncs (2.3 GiB at 32B with pp 2), and on a feeder its two staging buffers,
+each as large as the largest bucket (a tensor over ``rollout.weight_sync_bucket_mb``,
+the embedding or the output layer, is a bucket of its own: 1.56 GB at 32B). The rollout
+phase (a sync runs while the engines hold their memory) adds what a sync holds only while
+it runs (:func:`sync_in_flight_bytes`). The CPU runtime's sync sends shards as they are
+and keeps none.
 
 Actor ranks wait in a collective only while they train, compute log-probs, save or sync
 weights: never while the engines generate (the driver calls the ranks between
@@ -304,8 +308,16 @@ class MemoryEstimate:
     """Whether the engines share the actor's GPUs (``rollout.colocate``); separate engines
     hold GPUs of their own and add nothing to the actor's."""
     sync_staging: int = 0
-    """A feeder's two reusable weight-sync staging buffers (``rollout.weight_sync_bucket_mb``
-    each), kept across syncs (colocated SGLang engines)."""
+    """A feeder's two reusable weight-sync staging buffers, kept across syncs (colocated
+    SGLang engines): each grows to the largest bucket it takes, the largest of all at
+    worst (``rollout.weight_sync_bucket_mb``, or one tensor larger than that)."""
+    sync_in_flight: int = 0
+    """What a sync holds on a feeder (rank 0 for separate engines) only while it runs
+    (:func:`sync_in_flight_bytes`): the gathered tensors of the buckets in flight."""
+    sync_engine_copy: int = 0
+    """What a colocated sync holds on each engine GPU but its feeder's while it runs:
+    SGLang's TP worker there copies the whole bucket it maps onto its own GPU (the largest
+    bucket at worst)."""
     engine_contexts: int = 0
     """The CUDA contexts the SGLang TP workers a feeder serves open on its GPU to map its
     shares (one per worker)."""
@@ -321,6 +333,12 @@ class MemoryEstimate:
     def sync_resident(self) -> int:
         """What the weight sync keeps on the busiest feeder's GPU across steps."""
         return self.sync_export + self.sync_staging + self.engine_contexts + self.update_group
+
+    @property
+    def sync_transient(self) -> int:
+        """What a running sync adds on the busiest GPU (the feeder's buckets in flight, or
+        an engine worker's bucket copy on another GPU: the larger)."""
+        return max(self.sync_in_flight, self.sync_engine_copy)
 
     @property
     def train_phase(self) -> int:
@@ -351,6 +369,7 @@ class MemoryEstimate:
             + self.optimizer
             + engines
             + self.sync_resident
+            + self.sync_transient
             + self.overhead
         )
 
@@ -462,17 +481,62 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     )
 
 
+def sync_bucket_bytes(config: Config) -> tuple[int, int]:
+    """``(largest bucket, largest gathered tensor)`` of a weight sync, in bytes. A bucket
+    holds tensors up to ``rollout.weight_sync_bucket_mb``, or one larger tensor alone
+    (the embedding or the output layer, ``vocab x hidden``); a stage leader gathers each
+    parameter whole before converting it (the embedding with megatron's padded rows,
+    ``linear_fc1`` as gate and up together, a layer's experts stacked)."""
+    m, p = config.model, config.parallel
+    h, param_bytes = m.hidden_size, parameter_bytes(config)
+    layers = moe_layers(m)
+    dense_mlp = m.ffn_hidden_size * h if not all(layers) else 0
+    experts = any(layers)
+    largest_sent = max(m.vocab_size * h, dense_mlp, m.num_attention_heads * m.head_dim * h)
+    largest_gathered = max(
+        padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size) * h,
+        2 * dense_mlp,
+        qkv_parameters(config),
+        m.num_experts * 2 * m.moe_ffn_hidden_size * h if experts else 0,
+    )
+    bucket = config.rollout.weight_sync_bucket_mb * 2**20
+    return max(bucket, largest_sent * param_bytes), largest_gathered * param_bytes
+
+
+def sync_in_flight_bytes(config: Config) -> int:
+    """What a sync holds on a feeder only while it runs, at most. The buckets stream
+    through a look-ahead: the one just packed (still referenced by the feeding loop), the
+    one held back until the next exists (the last bucket is flagged, for the engines to
+    flush their cache), and the one being filled; and while a tensor is gathered over
+    tensor parallelism its shards and its whole copy coexist. So with ``tp_size > 1`` (or
+    experts, which are stacked): the largest gathered tensor twice plus three buckets.
+    With ``tp_size 1`` every tensor is a view of the live weights (no copy) except other
+    stages' buckets, received whole (``pp_size > 1``): the largest bucket and two more.
+    An upper bound (the buckets next to the largest tensor are rarely full); for experts,
+    approximate (a bucket's views keep their whole layer's stack alive)."""
+    p = config.parallel
+    largest_bucket, largest_gathered = sync_bucket_bytes(config)
+    bucket = config.rollout.weight_sync_bucket_mb * 2**20
+    if p.tp_size > 1 or any(moe_layers(config.model)):
+        return 2 * largest_gathered + 3 * bucket
+    return largest_bucket + 2 * bucket if p.pp_size > 1 else 0
+
+
 def _sync_and_save_bytes(config: Config, params_per_gpu: int, engine: str) -> dict[str, int]:
-    """The weight sync's resident GPU memory on the busiest feeder and the checkpoint
-    save's host memory on a data-parallel rank 0 (see :class:`MemoryEstimate`)."""
+    """The weight sync's GPU memory on the busiest feeder (kept across syncs, and held only
+    while one runs) and the checkpoint save's host memory on a data-parallel rank 0 (see
+    :class:`MemoryEstimate`)."""
     p, r = config.parallel, config.rollout
     out = {"checkpoint_host": params_per_gpu * 12 if p.use_distributed_optimizer else 0}
     if p.device == "cpu" or engine != "sglang":
         return out
+    largest_bucket, _ = sync_bucket_bytes(config)
+    out["sync_in_flight"] = sync_in_flight_bytes(config)
     if r.colocate:
         # Colocated engines of a node share its feeders; the busiest feeds them all at worst.
         engines_per_node = -(-r.num_engines // p.num_nodes)
-        out["sync_staging"] = 2 * r.weight_sync_bucket_mb * 2**20
+        out["sync_staging"] = 2 * largest_bucket
+        out["sync_engine_copy"] = largest_bucket
         out["engine_contexts"] = engines_per_node * r.engine_tp_size * CUDA_CONTEXT_BYTES
     else:
         out["update_group"] = GIB // 4
@@ -834,7 +898,11 @@ def format_plan(plan: Plan) -> str:
         f"    (without recompute {mem.activations_no_recompute / GIB:.2f} GiB, with {mem.activations_recompute / GIB:.2f} GiB)",
         row("log-prob buffers", mem.logprob),
         *([row("weight-sync q/k/v export buffers", mem.sync_export)] if mem.sync_export else []),
-        *([row("weight-sync staging (2 buckets)", mem.sync_staging)] if mem.sync_staging else []),
+        *(
+            [row(f"weight-sync staging (2 x {mem.sync_staging / 2 / GIB:.2f} GiB)", mem.sync_staging)]
+            if mem.sync_staging
+            else []
+        ),
         *([row("engine TP workers' CUDA contexts", mem.engine_contexts)] if mem.engine_contexts else []),
         *([row("weight-update communicator", mem.update_group)] if mem.update_group else []),
         row(f"{'process' if host is not None else 'framework'} overhead", mem.overhead),
@@ -865,6 +933,13 @@ def format_plan(plan: Plan) -> str:
             f"{host.engine_bytes / GIB:.2f} GiB = {gib(host.total).strip()} of {host.available / GIB:.1f} GiB",
         ]
     else:
+        if mem.sync_transient:
+            copy = f"; SGLang's copy of a bucket on the engines' other GPUs {mem.sync_engine_copy / GIB:.2f} GiB"
+            lines += [
+                row("+ weight sync in flight", mem.sync_transient),
+                f"    (while a sync runs, on its feeder: gathered tensors and the buckets around them "
+                f"{mem.sync_in_flight / GIB:.2f} GiB{copy if mem.sync_engine_copy else ''})",
+            ]
         phase = "= rollout phase" if r.colocate else "= rollout phase (engines on GPUs of their own)"
         lines += [row(phase, mem.rollout_phase), f"GPU memory: {p.gpu_memory_gb:g} GiB"]
         if r.colocate and mem.engine == "sglang":

@@ -200,15 +200,19 @@ class StreamingSampler:
             kept += self._score_and_filter(done, c, times)
 
         if open_groups:  # the batch is full: stop what is still generating
-            _, cut = self._tick([[] for _ in range(num_engines)], 0, True, phase_start, times)
-            for g in cut:
+            _, back = self._tick([[] for _ in range(num_engines)], 0, True, phase_start, times)
+            finished = []  # complete before the abort took effect (SGLang): whole groups, scored
+            for g in back:
                 item = open_groups.pop(g.key)
                 c.generated_tokens += item.back(g)
-                if r.partial_rollout:
+                if g.done:
+                    finished.append(item)
+                elif r.partial_rollout:
                     self.partial.append(item)
                 else:
                     c.aborted_tokens += g.num_tokens
                     c.aborted_groups += 1
+            kept += self._score_and_filter(finished, c, times)  # beyond the batch: carried or trimmed
         # Held over to the next step, first: partial groups there was no room for (a batch
         # full of carried groups) and prompts drawn that no engine had whole-group room for
         # (their prompts are used, not skipped; they hold no tokens).

@@ -18,11 +18,10 @@ def _rate(value: float, unit: str) -> str:
 
 def _row(name: str, record: dict) -> list[str]:
     s = record["seconds"]
-    peak = max(
-        record.get("peak_memory_bytes_actor_rank", 0),
-        record.get("peak_memory_bytes_engine", 0),
-        record.get("peak_memory_bytes_driver", 0),
-    )
+    peaks = ("peak_memory_bytes_actor_rank", "peak_memory_bytes_engine", "peak_memory_bytes_driver")
+    peak = _size(max(record.get(key) or 0 for key in peaks))
+    if "peak_memory_bytes_engine" in record and record["peak_memory_bytes_engine"] is None:
+        peak += " (engines: n/a)"  # SGLang's memory is its scheduler processes', not measured
     if name == "sync":
         rate, ratio = f"{record['gb_per_s']:.2f} GB/s", f"{record['of_copy_ceiling']:.2f} of copy"
     elif name == "reward":
@@ -40,7 +39,7 @@ def _row(name: str, record: dict) -> list[str]:
         ratio = f"{record.get('of_matmul_ceiling', 0):.2f} of matmul"
         if "mfu" in record:
             ratio += f", MFU {record['mfu']:.1%}"
-    return [name, f"{s['median']:.3f}", f"{s['spread']:.0%}", rate, _size(peak), ratio]
+    return [name, f"{s['median']:.3f}", f"{s['spread']:.0%}", rate, peak, ratio]
 
 
 def format_report(result: dict) -> str:

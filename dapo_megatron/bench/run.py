@@ -125,7 +125,10 @@ class _Bench:
         if actor:
             record["peak_memory_bytes_actor_rank"] = max(self.system.actor.peak_memory())
         if engines:
-            record["peak_memory_bytes_engine"] = max(self.system.engines.peak_memory())
+            # None where an engine cannot measure it (SGLang: its memory is its scheduler
+            # processes'): not available, rather than a wrong figure.
+            peaks = self.system.engines.peak_memory()
+            record["peak_memory_bytes_engine"] = None if None in peaks else max(peaks)
 
     def _repeat(self, action) -> list[float]:
         """Seconds of ``action()`` after ``warmup`` unmeasured calls, ``steps`` times."""

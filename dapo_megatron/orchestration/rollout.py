@@ -99,8 +99,10 @@ class EngineWorker:
         in flight (the transformers engine: a chunk of up to ``max_tokens`` tokens per row;
         SGLang: until a request finishes) with tokens stamped with this worker's weight
         version, and hand back the groups that completed, or, with ``abort``, stop and hand
-        back everything unfinished. ``busy_s``: the seconds this call took (on SGLang that
-        includes waiting for a request to finish, and generation goes on between calls);
+        back every group still in the engine (see :meth:`RolloutEngine.stream_abort`: the
+        cut ones, and any that completed since the last tick, whole). ``busy_s``: the
+        seconds this call took (on SGLang that includes waiting for a request to finish,
+        and generation goes on between calls);
         ``running_rows``: the engine's rows still generating; ``running_tokens``: their
         prompts' and tokens so far (the context a chunk reads)."""
         start = time.perf_counter()
@@ -163,18 +165,33 @@ class EngineWorker:
     def resume_memory(self) -> None:
         self.engine.resume_memory()
 
-    def peak_memory(self, reset: bool) -> int:
-        """This engine's peak memory since the last reset (then reset it, if ``reset``): its
-        process's (an SGLang engine's scheduler runs in processes of its own, not counted)."""
+    def peak_memory(self, reset: bool) -> Optional[int]:
+        """This engine's peak memory since the last reset (then reset it, if ``reset``): the
+        transformers engine's, on its device (this process). None for an SGLang engine: its
+        weights, KV cache and activations live in SGLang's own scheduler processes, whose
+        allocator this process cannot read, and SGLang 0.5.23 reports no peak (only the
+        static pool it sized at start); this process's host memory would be a wrong figure."""
+        from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
         from dapo_megatron.runtime.measure import take_peak_memory
 
+        if isinstance(self.engine, SGLangRolloutEngine):
+            return None
         return take_peak_memory(torch.device(getattr(self.engine, "device", "cpu")), reset)
 
     def health(self) -> dict:
         return {**self.engine.health(), "index": self.index, "pid": os.getpid()}
 
     def served_weights(self) -> dict[str, torch.Tensor]:
-        """The served weights by HF name, by value (tests of small models only)."""
+        """The served weights by HF name, by value (tests of small models only; the
+        transformers engine's)."""
+        from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
+
+        if isinstance(self.engine, SGLangRolloutEngine):
+            raise NotImplementedError(
+                "served_weights reads an engine's weights back, which an SGLang engine cannot do: they live in its "
+                "TP workers' processes, and SGLang 0.5.23's Qwen models have no get_weights_by_name; compare "
+                "weights on the transformers engine (rollout.engine=hf)"
+            )
         return {name: tensor.clone() for name, tensor in self.engine.state_dict().items()}
 
     def shutdown(self) -> None:
@@ -187,6 +204,10 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
     weights; otherwise the trainer's engines, whose weights the actor syncs in. SGLang's
     on ``base_gpu_id`` onwards."""
     rollout = config.rollout
+    # The actor's parameter dtype (that of the actor's device, wherever the engine runs),
+    # for either engine, so that a sync copies its weights bit for bit (bf16 actor, bf16
+    # engine: the train-inference precision of a GPU run; an fp32 actor, fp32 engine).
+    dtype = params_dtype(config.model, "cuda" if actor_on_gpu(config.parallel) else "cpu")
     if engine_kind(config) == "hf":
         from dapo_megatron.rollout.hf_engine import HFRolloutEngine, hf_eos_token_ids
 
@@ -195,10 +216,6 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
             return HFRolloutEngine.from_pretrained(weights_dir, device=device)
         folder = hf_weights_folder(config.model)
         eos = hf_eos_token_ids(folder) if folder is not None else ()
-        # The actor's parameter dtype (that of the actor's device, wherever the engine
-        # runs), so that a sync copies its weights bit for bit (bf16 actor, bf16
-        # engine: the train-inference precision of a GPU run).
-        dtype = params_dtype(config.model, "cuda" if actor_on_gpu(config.parallel) else "cpu")
         return HFRolloutEngine.from_model_config(config.model, dtype=dtype, device=device, eos_token_ids=eos)
     from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 
@@ -213,6 +230,7 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
         seed=rollout.seed + index,
         enable_memory_saver=rollout.colocate,
         deterministic=rollout.deterministic_inference,
+        dtype=str(dtype).removeprefix("torch."),  # SGLang's names: float32, bfloat16
         # The trainer's engines get every weight from the actor before they generate.
         load_format="auto" if weights_dir is not None else "dummy",
     )
@@ -365,8 +383,9 @@ class RolloutWorkers:
     def resume_memory(self) -> None:
         self._control("resume_memory")
 
-    def peak_memory(self, reset: bool = False) -> list[int]:
-        """Each engine's peak memory (bytes) since its last reset; ``reset`` starts a new one."""
+    def peak_memory(self, reset: bool = False) -> list[Optional[int]]:
+        """Each engine's peak memory (bytes) since its last reset, None where not available
+        (SGLang, see :meth:`EngineWorker.peak_memory`); ``reset`` starts a new one."""
         return self._control("peak_memory", reset)
 
     def health(self) -> list[dict]:

@@ -306,7 +306,9 @@ class RolloutEngine(abc.ABC):
 
     # Streamed generation (``rollout.streaming``): groups go in, advance a chunk at a
     # time, and come back as soon as all their responses have finished; an abort hands
-    # back what is still generating, as far as it got.
+    # back every group still in the engine: those still generating as far as they got,
+    # and those that finished after the last step (SGLang generates on its own between
+    # calls) whole.
 
     def stream_add(self, groups: list[StreamGroup], params: SamplingParams) -> None:
         """Start (or, for rows that already hold tokens, continue) generating ``groups``."""
@@ -318,9 +320,12 @@ class RolloutEngine(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not stream")
 
     def stream_abort(self, version: int) -> list[StreamGroup]:
-        """Stop everything in flight; the unfinished groups as far as they got (finished
-        rows whole, the others' prefixes; tokens sampled since the last step stamped with
-        ``version``), removed from the engine."""
+        """Stop everything in flight; every group still in the engine, removed from it:
+        the unfinished ones as far as they got (finished rows whole, the others' prefixes)
+        and, on an engine that generates between calls (SGLang), any that completed after
+        the last :meth:`stream_step`, whole (``done``: the caller scores them as it would
+        have from the step). Tokens sampled since the last step are stamped with
+        ``version``."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
 
     def stream_running(self) -> tuple[int, int]:

@@ -29,7 +29,14 @@ What SGLang 0.5.23 does, and what this wrapper does about it:
   engine configuration and batch schedule (its deterministic kernels); runs on other GPU
   counts or SGLang releases differ.
 - A request aborted by the server finishes with reason ``abort``: reported as such, and
-  the trainer drops its group.
+  the trainer drops its group. Only an abort without an HTTP status comes back as an
+  output: one with a status (503 for a request that timed out in the queue, 400 for a
+  rejected one) and a request refused on arrival (an input longer than the context)
+  *raise* in the tokenizer manager (``ValueError`` for 400, fastapi's ``HTTPException``
+  otherwise), and SGLang's batch ``generate`` then fails every row of the batch. So
+  every row here is a request of its own (``async_generate``, also for ``generate``),
+  and a row SGLang refuses that way is reported as ``abort`` (:func:`request_refusal`);
+  any other exception is the engine's failure and raises.
 - Streamed generation (``rollout.streaming``) submits each response row as its own
   request (``async_generate`` on the engine's event loop, with a request id of its own)
   and hands back a group once all its rows have returned. An abort is
@@ -37,7 +44,12 @@ What SGLang 0.5.23 does, and what this wrapper does about it:
   ids by *prefix* (``req.rid.startswith(rid)``), so every id here has the same width;
   a running request then finishes with ``FINISH_ABORT()`` (no status code), which the
   tokenizer manager returns as a normal output holding the tokens generated so far
-  (only aborts with an HTTP status code raise): those are the row's prefix.
+  (only aborts with an HTTP status code raise): those are the row's prefix. A request
+  that finished in the scheduler before the abort arrived answers with its whole output:
+  its group comes back from the abort complete, for the trainer to score. The tokenizer
+  manager drops an abort for a request id it holds no state for, so the abort waits
+  :attr:`SGLangRolloutEngine.abort_wait_s` at most; a row whose request has not answered
+  by then is cancelled and reported as ``abort`` (its group is not trained on).
 - ``Engine(...)`` sets ``CUDA_DEVICE_MAX_CONNECTIONS`` and the ``spawn`` start method for
   the whole process: engines are created only in their own worker processes
   (:func:`mark_engine_process`), never in the driver or an actor rank. Each is given its
@@ -62,6 +74,8 @@ generate until a complete update succeeds.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import os
 import time
@@ -83,13 +97,14 @@ from dapo_megatron.rollout.engine import (
     with_last_flag,
 )
 
+logger = logging.getLogger(__name__)
+
 SUPPORTED_SGLANG = "0.5.23"
 """The SGLang release the wrapper is written and contract-tested against."""
 
 # Everything this module uses from SGLang: {module:qualname: {attribute: keyword args}}.
 SGLANG_API: dict[str, dict[str, tuple[str, ...]]] = {
     "sglang.srt.entrypoints.engine:Engine": {
-        "generate": ("input_ids", "sampling_params", "return_logprob"),
         "update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
         "init_weights_update_group": (
             "master_address",
@@ -213,6 +228,20 @@ def stream_request_id(key: int, row: int, length: int) -> str:
     return f"dapo-{key:016x}-{row:05d}-{length:08d}"
 
 
+def request_refusal(exc: BaseException) -> Optional[str]:
+    """What SGLang 0.5.23 said when it refused one request by raising rather than answering
+    (see the module docstring): the message of a ``ValueError`` (a 400: an input-length or
+    parameter rejection, or an abort with status 400) or of an exception carrying an HTTP
+    ``status_code`` from 400 to 599 (fastapi's ``HTTPException``: a request that timed out
+    in the queue, 503); None for any other exception (the engine failed, not a request)."""
+    status = getattr(exc, "status_code", None)
+    if isinstance(status, int) and 400 <= status < 600:
+        return f"HTTP {status}: {getattr(exc, 'detail', None) or exc}"
+    if isinstance(exc, ValueError):
+        return f"HTTP 400: {exc}"
+    return None
+
+
 def finish_reason_of(meta: dict) -> str:
     """``stop``, ``length`` or ``abort`` from SGLang's ``meta_info['finish_reason']``."""
     reason = meta.get("finish_reason") or {}
@@ -225,6 +254,19 @@ def finish_reason_of(meta: dict) -> str:
     return "stop"  # matched a stop token or string
 
 
+def _log_refusals(messages: list[str], of: Optional[int] = None) -> None:
+    """One warning for the requests SGLang refused in one call: how many, and the first reason."""
+    if messages:
+        total = f" of {of}" if of is not None else ""
+        logger.warning(
+            "SGLang refused %d request(s)%s, reported as aborted responses (their groups are not trained on); "
+            "the first: %s",
+            len(messages),
+            total,
+            messages[0],
+        )
+
+
 class SGLangRolloutEngine(RolloutEngine):
     """Rollouts with SGLang's offline engine, tensor-parallel over ``tp_size`` GPUs.
 
@@ -235,7 +277,9 @@ class SGLangRolloutEngine(RolloutEngine):
             process sees (engines sharing a node get different ones).
         mem_fraction_static: fraction of GPU memory for weights and KV cache.
         seed: SGLang's random seed.
-        dtype: weight dtype (``bfloat16`` for the published recipe).
+        dtype: weight and activation dtype, SGLang's name (``bfloat16``, ``float32``): the
+            actor's parameter dtype (the trainer builds it so), so that a sync copies the
+            weights exactly.
         enable_memory_saver: needed for release/resume when colocated with the actor.
         deterministic: SGLang's deterministic inference (honours per-row seeds; slower).
         load_format: SGLang's; ``"dummy"`` allocates the weights without reading them (the
@@ -291,22 +335,40 @@ class SGLangRolloutEngine(RolloutEngine):
             raise ValueError(f"need at least one prompt and n >= 1 (got {len(prompts)} prompts, n={n})")
         self._check_servable()
         rows = [prompt for prompt in prompts for _ in range(n)]
-        outputs = self._engine.generate(
-            input_ids=rows, sampling_params=row_sampling_params(params, len(rows)), return_logprob=True
-        )
-        results = []
-        for i, out in enumerate(outputs):
+        # One request per row (not SGLang's batch call, where one refused row fails all).
+        tasks = [
+            self._engine.loop.create_task(
+                self._engine.async_generate(input_ids=row, sampling_params=sampling, return_logprob=True)
+            )
+            for row, sampling in zip(rows, row_sampling_params(params, len(rows)))
+        ]
+        outcomes = self._engine.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        results, refused = [], []
+        for i, out in enumerate(outcomes):
+            if isinstance(out, BaseException):
+                message = request_refusal(out)
+                if message is None:
+                    raise out
+                refused.append(message)
+                results.append(Generation(i // n, [], [], "abort"))
+                continue
             meta = out["meta_info"]
             log_probs = [entry[0] for entry in meta["output_token_logprobs"]]
             results.append(
                 Generation(i // n, list(out["output_ids"]), log_probs, finish_reason_of(meta), out.get("text"))
             )
+        _log_refusals(refused, len(rows))
         return results
 
     # ------------------------------------------------------------------ streamed generation
 
     stream_wait_s: float = 1.0
     """The longest one :meth:`stream_step` waits for a request to finish."""
+
+    abort_wait_s: float = 60.0
+    """The longest :meth:`stream_abort` waits for the aborted requests to answer (an abort
+    takes effect within one scheduler step; SGLang drops one it cannot match). A request
+    still running then is cancelled and its row reported as ``abort``."""
 
     def stream_add(self, groups: list[StreamGroup], params: SamplingParams) -> None:
         """Submit every unfinished row of ``groups`` as a request of its own, continuing
@@ -331,8 +393,6 @@ class SGLangRolloutEngine(RolloutEngine):
     def stream_step(self, max_tokens: int, version: int) -> list[StreamGroup]:
         """Wait until a request finishes (at most :attr:`stream_wait_s`; SGLang schedules
         tokens itself, so ``max_tokens`` is not used) and hand back the complete groups."""
-        import asyncio
-
         tasks = [task for task, _, _ in self._stream_tasks.values()]
         if tasks:
             self._engine.loop.run_until_complete(
@@ -345,15 +405,25 @@ class SGLangRolloutEngine(RolloutEngine):
         return done
 
     def stream_abort(self, version: int) -> list[StreamGroup]:
-        """Abort every request in flight, wait for their outputs (the tokens so far) and
-        hand back the unfinished groups with those prefixes."""
-        import asyncio
-
+        """Abort every request in flight, wait for their outputs (the tokens so far; at
+        most :attr:`abort_wait_s`, then the rest are cancelled and their rows reported as
+        ``abort``) and hand back every group: the cut ones with those prefixes, and those
+        whose requests had all finished before the abort reached them, complete."""
         for rid in self._stream_tasks:
             self._engine.tokenizer_manager.abort_request(rid=rid)
         tasks = [task for task, _, _ in self._stream_tasks.values()]
         if tasks:
-            self._engine.loop.run_until_complete(asyncio.wait(tasks))
+            _, pending = self._engine.loop.run_until_complete(asyncio.wait(tasks, timeout=self.abort_wait_s))
+            for task in pending:
+                task.cancel()
+            if pending:
+                self._engine.loop.run_until_complete(asyncio.wait(pending))
+                logger.warning(
+                    "%d SGLang request(s) had not answered %.0f s after their abort (SGLang drops an abort it cannot "
+                    "match): cancelled, their rows reported as aborted",
+                    len(pending),
+                    self.abort_wait_s,
+                )
         self._take_finished(version, aborting=True)
         groups, self._stream_groups = list(self._stream_groups.values()), {}
         return groups
@@ -365,12 +435,25 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def _take_finished(self, version: int, aborting: bool) -> None:
         """Append each finished request's tokens and log-probs to its row; a row our own
-        abort cut stays unfinished (its tokens are a prefix to continue)."""
+        abort cut stays unfinished (its tokens are a prefix to continue); a row SGLang
+        refused (:func:`request_refusal`) or whose abort was lost (cancelled) ends as
+        ``abort`` with the tokens it held."""
+        refused = []
         for rid, (task, key, index) in list(self._stream_tasks.items()):
             if not task.done():
                 continue
             del self._stream_tasks[rid]
             row = self._stream_groups[key].rows[index]
+            if task.cancelled():
+                row.finish_reason = "abort"
+                continue
+            if task.exception() is not None:
+                message = request_refusal(task.exception())
+                if message is None:
+                    raise task.exception()
+                refused.append(message)
+                row.finish_reason = "abort"
+                continue
             out = task.result()
             meta = out["meta_info"]
             log_probs = [entry[0] for entry in meta.get("output_token_logprobs") or []]
@@ -381,6 +464,7 @@ class SGLangRolloutEngine(RolloutEngine):
             reason = finish_reason_of(meta)
             if not (aborting and reason == "abort"):
                 row.finish_reason = reason
+        _log_refusals(refused)
 
     def _check_servable(self) -> None:
         if self.released:

@@ -221,13 +221,32 @@ def test_qwen3_moe_shape_and_router_defaults_come_from_config_json(tmp_path):
     m = cfg.model
     assert (m.family, m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == ("qwen3_moe", 128, 8, 768)
     assert m.moe_norm_topk_prob is True and m.mlp_only_layers == [] and m.decoder_sparse_step == 1
-    assert m.moe_aux_loss_coeff == 0.001 and m.moe_z_loss_coeff == 0.0
+    # The HF config's output_router_logits is off (Qwen3-30B-A3B's, and transformers'
+    # default): HF trains with no load-balancing loss, so neither does the default here.
+    assert m.moe_aux_loss_coeff == 0.0 and m.moe_z_loss_coeff == 0.0
     # A coefficient set by the user is kept (it is a setting, not part of the shape).
     assert load_config(_moe_run(tmp_path), ["model.moe_aux_loss_coeff=0"]).model.moe_aux_loss_coeff == 0.0
     # transformers 5 writes num_local_experts.
     hf = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
     (tmp_path / "config.json").write_text(json.dumps({**hf, "num_local_experts": 64}))
     assert load_config(tmp_path / "run.yaml").model.num_experts == 64
+
+
+def test_the_load_balancing_default_weighs_the_loss_as_the_hf_config_does(tmp_path):
+    """HF adds router_aux_loss_coef x one loss pooled over the MoE layers (k for balanced
+    routing), and only with output_router_logits; megatron adds its coefficient x a loss
+    per MoE layer (1 each when balanced), summed. The default is the per-layer value with
+    HF's weight: router_aux_loss_coef x top-k / MoE layers, 0 when HF has it off."""
+    assert load_config(_moe_run(tmp_path, output_router_logits=False)).model.moe_aux_loss_coeff == 0.0
+    on = load_config(_moe_run(tmp_path, output_router_logits=True)).model
+    assert on.moe_aux_loss_coeff == pytest.approx(0.001 * 8 / 48, rel=1e-12)  # 1.667e-4, not 0.001
+    # Dense layers carry no router: only the MoE layers count.
+    dense_two = load_config(_moe_run(tmp_path, output_router_logits=True, mlp_only_layers=[0, 47])).model
+    assert dense_two.moe_aux_loss_coeff == pytest.approx(0.001 * 8 / 46, rel=1e-12)
+    every_other = load_config(_moe_run(tmp_path, output_router_logits=True, decoder_sparse_step=2)).model
+    assert every_other.moe_aux_loss_coeff == pytest.approx(0.001 * 8 / 24, rel=1e-12)
+    # Set by hand it is megatron's per-layer coefficient, taken as given.
+    assert load_config(_moe_run(tmp_path), ["model.moe_aux_loss_coeff=0.01"]).model.moe_aux_loss_coeff == 0.01
 
 
 def test_expert_settings_on_a_dense_family_are_refused_naming_the_key_and_the_family(tmp_path):

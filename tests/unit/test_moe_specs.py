@@ -125,3 +125,53 @@ def test_a_zero_router_loss_coefficient_is_off_in_the_config_megatron_reads(monk
     assert _z_loss_calls(config, monkeypatch) == 1
     monitor.micro_batch(1, tokens, loss_mask, filler=True)
     assert (config.moe_aux_loss_coeff, config.moe_z_loss_coeff) == (routing.FILLER_COEFFICIENT,) * 2
+
+
+def test_the_per_layer_coefficient_gives_hfs_load_balancing_loss_with_megatrons_functions():
+    """transformers' Qwen3-MoE ``load_balancing_loss_func`` (pooled over layers, times
+    ``router_aux_loss_coef``) against megatron-core's ``switch_load_balancing_loss_func``
+    summed over the layers at :func:`hf_aux_loss_per_layer`'s coefficient: the same value
+    and the same gradient of the router logits when every layer routes alike (HF pools the
+    layers' loads before the product, megatron multiplies each layer's own, so they differ
+    otherwise); HF's coefficient used per layer (the old default) weighs it L/k times."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import (
+        compute_routing_scores_for_aux_loss,
+        switch_load_balancing_loss_func,
+    )
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from dapo_megatron.model_config import hf_aux_loss_per_layer
+
+    layers, experts, topk, tokens, hf_coef = 6, 8, 2, 40, 0.001
+    torch.manual_seed(0)
+    base = torch.randn(tokens, experts, dtype=torch.float64)
+
+    def hf(logits):
+        return hf_coef * load_balancing_loss_func(tuple(logits), experts, topk)
+
+    def megatron(logits, coeff):
+        total = 0.0
+        for layer_logits in logits:
+            routing_map, scores = compute_routing_scores_for_aux_loss(layer_logits, topk, "softmax")
+            total = total + switch_load_balancing_loss_func(
+                scores, routing_map.sum(dim=0), tokens, topk, experts, coeff
+            )
+        return total
+
+    coeff = hf_aux_loss_per_layer(hf_coef, True, topk, layers)
+    assert coeff == pytest.approx(hf_coef * topk / layers, rel=1e-15)
+    a = [base.clone().requires_grad_(True) for _ in range(layers)]
+    b = [base.clone().requires_grad_(True) for _ in range(layers)]
+    ours, theirs = megatron(a, coeff), hf(b)
+    # HF sums the probabilities in fp32: equal to its precision.
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6) and 1e-4 < theirs.item() < 1e-2
+    ours.backward()
+    theirs.backward()
+    for mine, hfs in zip(a, b):
+        torch.testing.assert_close(mine.grad, hfs.grad, rtol=1e-4, atol=1e-12)
+    # Negative control: HF's coefficient per layer is layers / topk = 3 times HF's weight.
+    old = megatron([base] * layers, hf_coef)
+    assert old.item() == pytest.approx(theirs.item() * layers / topk, rel=1e-6)
+    # HF with output_router_logits off adds no loss at all.
+    assert hf_aux_loss_per_layer(hf_coef, False, topk, layers) == 0.0

@@ -11,7 +11,7 @@ import pytest
 
 from dapo_megatron.cli import main
 from dapo_megatron.config import ConfigError, load_config
-from dapo_megatron.plan import GIB, make_plan
+from dapo_megatron.plan import GIB, estimate_memory, make_plan
 from tests.unit.test_config import QWEN_32B
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,20 +84,53 @@ def test_plan_counts_parameters_exactly_and_matches_a_hand_computation():
     # bias, whole (gathered over tp), bf16, for the stage's 32 layers: 2.19 GiB.
     export = 32 * (40 + 2 * 8) * 128 * (5120 + 1) * 2
     assert mem.sync_export == export and 2.1 * GIB < export < 2.3 * GIB
-    # The feeder (one per node: the stage leader) keeps two 512 MiB staging buffers, and the
-    # node's 2 engines x 4 TP workers each open a CUDA context (0.5 GiB) on its GPU.
-    assert mem.sync_staging == 2 * 512 * 2**20 and mem.engine_contexts == 2 * 4 * GIB // 2
-    sync = export + GIB + 4 * GIB
+    # The feeder (one per node: the stage leader) keeps two staging buffers, and the node's
+    # 2 engines x 4 TP workers each open a CUDA context (0.5 GiB) on its GPU. The embedding
+    # and the output layer (152,064 x 5,120 bf16: 1.56 GB each) are over the 512 MiB bucket,
+    # so each is a bucket of its own, and both buffers grow to it.
+    vocab_bucket = 152_064 * 5120 * 2
+    assert mem.sync_staging == 2 * vocab_bucket and mem.engine_contexts == 2 * 4 * GIB // 2
+    # During a sync (engines resident): while the output layer is gathered over tp 8, its
+    # shards and its whole copy (152,576 padded rows) next to three 512 MiB buckets (being
+    # filled, held back to flag the last one, just packed); SGLang's TP workers on the
+    # engines' other GPUs each copy a whole bucket (up to 1.56 GB) to their own GPU.
+    gathered = 152_576 * 5120 * 2
+    assert mem.sync_in_flight == 2 * gathered + 3 * 512 * 2**20 and mem.sync_engine_copy == vocab_bucket
+    assert mem.sync_transient == mem.sync_in_flight and 4.4 * GIB < mem.sync_in_flight < 4.5 * GIB
+    sync = export + 2 * vocab_bucket + 4 * GIB
     assert (
         mem.train_phase
         == 2 * last_stage + 4 * last_stage + 12 * last_stage // 8 + mem.activations + mem.logprob + sync + 3 * GIB
     )
-    assert mem.rollout_phase == 6 * last_stage + 12 * last_stage // 8 + int(0.6 * 80 * GIB) + sync + 3 * GIB
-    assert 26 * GIB < mem.train_phase < 28 * GIB and 71 * GIB < mem.rollout_phase < 74 * GIB
+    assert mem.rollout_phase == (
+        6 * last_stage + 12 * last_stage // 8 + int(0.6 * 80 * GIB) + sync + mem.sync_in_flight + 3 * GIB
+    )
+    assert 28 * GIB < mem.train_phase < 30 * GIB and 78 * GIB < mem.rollout_phase < 80 * GIB
     # While the engines hold 0.6 of the GPU, the actor keeps what it needs within the rest.
     assert mem.actor_allowance == 80 * GIB - int(0.6 * 80 * GIB) > mem.rollout_phase - mem.sglang
     # A checkpoint save gathers a rank's fp32 main weights and Adam moments in host memory.
     assert mem.checkpoint_host == 12 * last_stage
+
+
+def test_what_a_sync_holds_while_it_runs_follows_what_is_copied():
+    """At tp 1 every tensor the sync sends is a view of the live weights (nothing in flight
+    at pp 1; at pp 2 the other stage's buckets arrive as copies: the largest, the
+    1.56 GB output layer, and two more); a larger bucket size raises the three buckets'
+    part; separate engines have no staging buffers or worker copies on the actor's GPUs,
+    but rank 0 gathers and holds the same buckets."""
+    vocab_bucket, bucket = 152_064 * 5120 * 2, 512 * 2**20
+    tp1 = ["parallel.tp_size=1", "parallel.sequence_parallel=false", "rollout.num_engines=32"]
+    flat = estimate_memory(load_config(RECIPE, [*tp1, "parallel.pp_size=1"]))
+    assert flat.sync_in_flight == 0 and flat.sync_staging == 2 * vocab_bucket
+    assert flat.sync_transient == flat.sync_engine_copy == vocab_bucket
+    relayed = estimate_memory(load_config(RECIPE, tp1))
+    assert relayed.sync_in_flight == vocab_bucket + 2 * bucket
+    wide = estimate_memory(load_config(RECIPE, ["rollout.weight_sync_bucket_mb=2048"]))
+    assert wide.sync_staging == 2 * 2048 * 2**20  # now the bucket is larger than any tensor
+    assert wide.sync_in_flight == 2 * 152_576 * 5120 * 2 + 3 * 2048 * 2**20
+    separate = estimate_memory(load_config(RECIPE, ["rollout.colocate=false", "rollout.num_engines=16"]))
+    assert separate.sync_staging == separate.sync_engine_copy == 0
+    assert separate.sync_in_flight == estimate_memory(load_config(RECIPE)).sync_in_flight
 
 
 @pytest.mark.parametrize(
@@ -105,7 +138,7 @@ def test_plan_counts_parameters_exactly_and_matches_a_hand_computation():
     [
         (
             ["rollout.gpu_memory_utilization=0.9"],
-            "rollout phase needs 96.5 GiB per GPU > parallel.gpu_memory_gb=80",
+            "rollout phase needs 102.8 GiB per GPU > parallel.gpu_memory_gb=80",
             "rollout.gpu_memory_utilization=0.6",
         ),
         (
@@ -249,12 +282,16 @@ def test_an_engine_whose_weights_alone_do_not_fit_says_so_and_what_would(capsys)
 def test_plan_counts_the_kl_reference_policy_as_one_more_frozen_copy_of_the_weights(capsys):
     """``algorithm.use_kl_loss``: the reference weights (bf16, the stage's parameters) and
     nothing more (no gradients, no optimizer state), in both phases and in the table."""
-    base = make_plan(load_config(RECIPE)).memory
-    mem = make_plan(load_config(RECIPE, ["algorithm.use_kl_loss=true"])).memory
+    # The recipe's 0.6 leaves 1.2 GiB next to the engines (with a sync in flight): the
+    # reference's 3.82 GiB need a smaller SGLang share.
+    smaller = "rollout.gpu_memory_utilization=0.55"
+    base = make_plan(load_config(RECIPE, [smaller])).memory
+    mem = make_plan(load_config(RECIPE, [smaller, "algorithm.use_kl_loss=true"])).memory
     assert base.reference == 0 and mem.reference == 2 * mem.parameters == mem.weights
     assert mem.gradients == base.gradients and mem.optimizer == base.optimizer
     assert mem.train_phase - base.train_phase == mem.reference == mem.rollout_phase - base.rollout_phase
-    assert main(["plan", str(RECIPE), "algorithm.use_kl_loss=true"]) == 0
+    assert main(["plan", str(RECIPE), "algorithm.use_kl_loss=true"]) == 2
+    assert main(["plan", str(RECIPE), smaller, "algorithm.use_kl_loss=true"]) == 0
     assert "KL reference policy (bf16, frozen)    3.82 GiB" in capsys.readouterr().out
 
 
@@ -263,6 +300,8 @@ def test_plan_cli_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "32,763,876,352 parameters" in out and "train phase" in out and "rollout phase" in out and "fits" in out
     assert "weight-sync q/k/v export buffers    2.19 GiB" in out
+    assert "weight-sync staging (2 x 1.45 GiB)    2.90 GiB" in out
+    assert "+ weight sync in flight            4.41 GiB" in out
     assert "collective timeout: 30 min (parallel.timeout_minutes)" in out and "never while the engines generate" in out
 
 
@@ -297,7 +336,7 @@ def _dry_run(script, *args, **env):
 
 
 def test_train_dry_run_for_a_two_node_allocation():
-    result = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.4")
+    result = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.35")  # 2 nodes: dp 1, no optimizer sharding
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     head = [line for line in lines if "ray start --head" in line]
@@ -311,7 +350,7 @@ def test_train_dry_run_for_a_two_node_allocation():
         "parallel.num_nodes=2",
         "rollout.num_engines=4",
         "checkpoint.load_dir=/runs/dapo/qwen2_5_32b_mcore",
-        "rollout.gpu_memory_utilization=0.4",
+        "rollout.gpu_memory_utilization=0.35",
         "ray.address=gpu-007:6379",
     ):
         assert expected in train[0]
@@ -320,7 +359,7 @@ def test_train_dry_run_for_a_two_node_allocation():
     # Placement rehearsed before Ray starts, on the head node (inside the container, if any).
     assert plan[0].endswith(" --rehearse --spare-nodes 0") and "-w gpu-007" in plan[0]
     assert f"plan {SCRIPTS / 'dapo.yaml'} " in plan[0]
-    skipped = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.4", REHEARSE="0")
+    skipped = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.35", REHEARSE="0")
     assert "--rehearse" not in next(line for line in skipped.stdout.splitlines() if "dapo-megatron plan" in line)
     # The layout the dry run would launch is one `plan` accepts (with the shipped model config).
     overrides = train[0].split("dapo.yaml ", 1)[1].replace("\\[", "[").replace("\\]", "]").split()

@@ -195,7 +195,6 @@ def test_checked_calls_answer_success_and_message_and_the_rest_answer_nothing():
         assert not [r for r in ast.walk(control[call]) if isinstance(r, ast.Return) and r.value is not None], call
     unchecked = set(SGLANG_API["sglang.srt.entrypoints.engine:Engine"]) - set(SGLANG_CHECKED_CALLS)
     assert unchecked == {
-        "generate",
         "release_memory_occupation",
         "resume_memory_occupation",
         "get_server_info",
@@ -492,3 +491,73 @@ def test_sglang_loads_every_name_the_weight_sync_sends(family, model_file, model
         shards = {(e, s) for _, w, e, s in experts if f"experts.{e}.gate_proj." == w or f"experts.{e}.up_proj." == w}
         assert shards == {(e, s) for e in range(4) for s in ("w1", "w3")}
         assert {"gate", "experts", "q_norm", "k_norm"} <= attributes
+
+
+# ------------------------------------------------------------------ what the wrapper's edge cases rely on
+
+
+def test_a_request_refused_with_an_http_status_raises_and_fails_a_whole_batch():
+    """Why every row is a request of its own and a refusal is caught per row
+    (:func:`request_refusal`): an abort carrying an HTTP status raises ValueError for 400
+    and fastapi's HTTPException (status_code, detail) otherwise; a request that timed
+    out is aborted with 503; an input longer than the context raises ValueError on
+    arrival; the batch call gathers its rows without return_exceptions (one refusal fails
+    every row); and an abort for a request id with no state is dropped (the abort's wait
+    needs a bound)."""
+    from dapo_megatron.rollout.sglang_engine import request_refusal
+
+    functions = _functions(TOKENIZER_MANAGER)
+    handle = ast.unparse(functions["_handle_abort_finish_reason"])
+    bad_request = handle[handle.index("if status_code == HTTPStatus.BAD_REQUEST:") :]
+    assert bad_request.split(":", 1)[1].split("\n")[1].strip() == "raise ValueError(finish_reason['message'])"
+    assert "raise fastapi.HTTPException(status_code=status_code, detail=finish_reason['message'])" in handle
+    assert "not HTTPStatus.BAD_REQUEST <= status_code < 600" in handle
+    validate = ast.unparse(functions["_validate_one_request"])
+    assert "exceeds the model's maximum context length" in validate and "raise ValueError(error_msg)" in validate
+    batch = ast.unparse(functions["_collect_batch_responses"])
+    assert "return await asyncio.gather(*tasks)" in batch
+    manager = find_class(parse(TOKENIZER_MANAGER), "TokenizerManager")
+    abort = ast.unparse(next(n for n in manager.body if getattr(n, "name", "") == "abort_request"))
+    no_state = abort[abort.index("elif get_serving().tokenizer_worker_num == 1:") :]
+    assert no_state.split("\n")[1].strip() == "return"
+    scheduler = ast.unparse(_functions(SCHEDULER)["abort_request"])
+    assert "FINISH_ABORT(recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE)" in scheduler
+    # What request_refusal makes of them; anything else is the engine's failure.
+    from tests.unit.test_sglang_wrapper import HTTPException
+
+    assert request_refusal(HTTPException(503, "timed out")) == "HTTP 503: timed out"
+    assert request_refusal(ValueError("too long")) == "HTTP 400: too long"
+    assert request_refusal(RuntimeError("scheduler died")) is None
+    assert request_refusal(HTTPException(200, "ok")) is None
+
+
+def test_the_engine_takes_the_actors_dtypes_by_name():
+    """``dtype`` is a server arg whose choices include the actor's two parameter dtypes,
+    by torch's names (the trainer passes ``str(dtype)`` without ``torch.``)."""
+    fields = parse("sglang/srt/arg_groups/fields/model.py")
+    dtype = next(n for n in ast.walk(fields) if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "dtype")
+    choices = next(
+        ast.literal_eval(k.value)
+        for n in ast.walk(dtype)
+        if isinstance(n, ast.Call)
+        for k in n.keywords
+        if k.arg == "choices"
+    )
+    assert {"float32", "bfloat16"} <= set(choices) and ast.literal_eval(dtype.value) == "auto"
+    assert "dtype" in SGLANG_SERVER_ARGS
+
+
+def test_sglangs_qwen_models_cannot_hand_their_weights_back():
+    """Why ``served_weights`` refuses an SGLang engine: the model runner's
+    get_weights_by_name delegates to the model's, which Qwen2, Qwen3 and Qwen3-MoE lack."""
+    exporter = ast.unparse(
+        _functions("sglang/srt/model_executor/model_runner_components/weight_exporter.py")["get_weights_by_name"]
+    )
+    assert "self.get_model().get_weights_by_name(" in exporter
+    for path, name in [
+        ("sglang/srt/models/qwen2.py", "Qwen2ForCausalLM"),
+        ("sglang/srt/models/qwen3.py", "Qwen3ForCausalLM"),
+        ("sglang/srt/models/qwen3_moe.py", "Qwen3MoeForCausalLM"),
+    ]:
+        cls = find_class(parse(path), name)
+        assert "get_weights_by_name" not in {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}, name

@@ -8,7 +8,10 @@ request row's ``sampling_seed`` is what it samples with; a finish reason is a di
 ``type``. What these tests show: every weight actually reaches the engine inside a
 session, every failure raises with SGLang's message, a released or half-updated engine
 refuses to generate until a complete update, seeds differ per row, aborted rows are
-reported as such, and an engine is only built in an engine process.
+reported as such (also a request SGLang rejects with an HTTP status, which it raises
+instead of returning), an abort's wait is bounded, a group that finished while the abort
+was on its way comes back whole, the engine is built in the actor's dtype, and an engine
+is only built in an engine process.
 """
 
 from __future__ import annotations
@@ -35,19 +38,42 @@ class StandInEngine:
         self.weights: dict[str, torch.Tensor] = {"w": torch.zeros(2)}
         self.requests: list = []
         self.fail_on: set[str] = set()
-        self.finish = {"type": "stop", "matched": 1}
+        self.finish = None  # a fixed output ([3, 1] with this reason) instead of streaming tokens
+        self.reject: dict[int, Exception] = {}  # sampling seed -> what SGLang raises for that request
+        self.lost_aborts: set[int] = set()  # seeds whose abort SGLang drops: they run to their limit
+        self.finished_at_abort: set[int] = set()  # seeds whose request had finished when the abort came
         self.group = None
         self.received: list = []
         self.loop = asyncio.new_event_loop()
         self.tokenizer_manager = StandInTokenizerManager()
         self.streamed: list = []  # (rid, input_ids, sampling_params) of every async_generate
 
-    async def async_generate(self, input_ids, sampling_params, return_logprob, rid):
+    async def async_generate(self, input_ids, sampling_params, return_logprob, rid=None):
         """One token (id 5) per millisecond up to max_new_tokens ("length"), or, once
-        ``rid`` is aborted, the tokens so far with SGLang's plain abort reason."""
+        ``rid`` is aborted, the tokens so far with SGLang's plain abort reason. A request
+        whose seed is in ``reject`` raises that exception (as the tokenizer manager does for
+        an input-length rejection or an abort with an HTTP status); one in ``lost_aborts``
+        ignores its abort; one in ``finished_at_abort`` has all its tokens once aborted (it
+        finished in the scheduler before the abort was read)."""
         self.streamed.append((rid, list(input_ids), dict(sampling_params)))
+        seed = sampling_params.get("sampling_seed")
+        if seed in self.reject:
+            await asyncio.sleep(0.001)
+            raise self.reject[seed]
+        if self.finish is not None:
+            await asyncio.sleep(0)
+            return {
+                "output_ids": [3, 1],
+                "meta_info": {"output_token_logprobs": [(-0.5, 3), (-0.1, 1)], "finish_reason": self.finish},
+            }
         ids = []
-        while len(ids) < sampling_params["max_new_tokens"] and rid not in self.tokenizer_manager.aborted:
+        limit = sampling_params["max_new_tokens"]
+        while len(ids) < limit:
+            if rid in self.tokenizer_manager.aborted and seed in self.finished_at_abort:
+                ids += [5] * (limit - len(ids))
+                break
+            if rid in self.tokenizer_manager.aborted and seed not in self.lost_aborts:
+                break
             await asyncio.sleep(0.001)
             ids.append(5)
         reason = (
@@ -106,7 +132,12 @@ class StandInEngine:
         pass  # the memory comes back, not its contents
 
     def generate(self, input_ids, sampling_params, return_logprob):
+        """The batch call: one rejected request fails the whole batch (SGLang gathers the
+        rows' outputs and the first exception propagates)."""
         self.requests.append(sampling_params)
+        for params in sampling_params:
+            if params.get("sampling_seed") in self.reject:
+                raise self.reject[params["sampling_seed"]]
         return [
             {
                 "output_ids": [3, 1],
@@ -206,13 +237,20 @@ def test_release_needs_a_full_update_before_generating(engine):
 def test_every_row_samples_with_its_own_seed(engine):
     engine.update_weights(buckets("w"))
     engine.generate([[1], [2]], SamplingParams(max_new_tokens=2, seed=100), n=3)
-    seeds = [row["sampling_seed"] for row in engine._engine.requests[-1]]
-    assert seeds == [100, 101, 102, 103, 104, 105]
+    assert sent_seeds(engine) == [100, 101, 102, 103, 104, 105]
     assert all("sampling_seed" not in row for row in row_sampling_params(SamplingParams(), 2))
+
+
+def sent_seeds(engine) -> list:
+    """The seeds of the last generate() call's rows, whichever SGLang call carried them."""
+    if engine._engine.requests:
+        return [row["sampling_seed"] for row in engine._engine.requests[-1]]
+    return [sampling["sampling_seed"] for _, _, sampling in engine._engine.streamed]
 
 
 def test_abort_is_reported_as_abort(engine):
     engine.update_weights(buckets("w"))
+    engine._engine.finish = {"type": "stop", "matched": 1}
     assert engine.generate([[1]], SamplingParams(max_new_tokens=2))[0].finish_reason == "stop"
     engine._engine.finish = {"type": "abort", "message": "Aborted"}
     assert engine.generate([[1]], SamplingParams(max_new_tokens=2))[0].finish_reason == "abort"
@@ -387,3 +425,149 @@ def test_an_abort_hands_back_prefixes_that_continue_as_new_requests(engine):
     assert sampling["max_new_tokens"] == 10_000 - held[0]
     assert sampling["sampling_seed"] == continuation_seed(11, held[0]) and rid not in rids
     engine.stream_abort(version=2)
+
+
+class HTTPException(Exception):
+    """fastapi's HTTPException as SGLang raises it (``status_code`` and ``detail``)."""
+
+    def __init__(self, status_code: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status_code, self.detail = status_code, detail
+
+
+TOO_LONG = ValueError("Requested token count exceeds the model's maximum context length of 32 tokens.")
+TIMED_OUT = HTTPException(503, "The request timed out in the waiting queue.")
+
+
+def test_a_request_sglang_rejects_with_an_http_status_is_an_aborted_row_not_a_failed_round(engine):
+    """SGLang 0.5.23 raises for an abort that carries an HTTP status (400: ValueError,
+    else fastapi's HTTPException) and for an input-length rejection, and its batch call
+    then fails every row: each row is its own request, and a rejected one comes back as
+    ``abort`` (its group is not trained on) while the others keep their responses."""
+    engine.update_weights(buckets("w"))
+    engine._engine.reject = {101: TOO_LONG, 104: TIMED_OUT}
+    results = engine.generate([[1], [2]], SamplingParams(max_new_tokens=2, seed=100), n=3)
+    assert [r.finish_reason for r in results] == ["length", "abort", "length", "length", "abort", "length"]
+    assert [len(r.token_ids) for r in results] == [2, 0, 2, 2, 0, 2]
+    assert [r.prompt_index for r in results] == [0, 0, 0, 1, 1, 1]
+    # Anything else is a failure of the engine, not of one request: it still raises.
+    engine._engine.reject = {102: RuntimeError("scheduler died")}
+    with pytest.raises(RuntimeError, match="scheduler died"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=2, seed=100), n=3)
+
+
+def test_a_streamed_row_sglang_rejects_ends_its_group_as_aborted(engine):
+    from dapo_megatron.rollout.engine import StreamGroup, StreamRow
+
+    engine._engine.reject = {12: TIMED_OUT, 21: TOO_LONG}
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
+    groups = [StreamGroup(1, [1, 2], [StreamRow(11), StreamRow(12)]), StreamGroup(2, [1], [StreamRow(21)])]
+    engine.stream_add(groups, params)
+    done = []
+    for _ in range(100):
+        done += engine.stream_step(64, version=4)
+        if len(done) == 2:
+            break
+    first, second = sorted(done, key=lambda g: g.key)
+    assert [row.finish_reason for row in first.rows] == ["length", "abort"]
+    assert first.rows[0].token_ids == [5, 5, 5] and first.rows[1].token_ids == []
+    assert [row.finish_reason for row in second.rows] == ["abort"]
+    engine._engine.reject = {31: RuntimeError("scheduler died")}
+    engine.stream_add([StreamGroup(3, [1], [StreamRow(31)])], params)
+    with pytest.raises(RuntimeError, match="scheduler died"):
+        for _ in range(100):
+            engine.stream_step(64, version=4)
+
+
+def test_an_abort_waits_a_bounded_time_and_a_lost_one_ends_its_row(engine):
+    """SGLang drops an abort for a request id it holds no state for: that request runs on
+    to its limit. The abort waits ``abort_wait_s`` at most; the row it lost is reported as
+    ``abort`` (never continued under the same request id), the others as cut prefixes."""
+    import time
+
+    from dapo_megatron.rollout.engine import StreamGroup, StreamRow
+
+    engine.stream_wait_s, engine.abort_wait_s = 0.02, 0.2
+    engine._engine.lost_aborts = {12}
+    params = SamplingParams(temperature=1.0, max_new_tokens=5_000)  # 5 s at a token per ms
+    engine.stream_add([StreamGroup(1, [1, 2], [StreamRow(11), StreamRow(12)])], params)
+    assert engine.stream_step(64, version=1) == []
+    start = time.perf_counter()
+    (cut,) = engine.stream_abort(version=1)
+    assert time.perf_counter() - start < 2.0
+    assert cut.rows[0].finish_reason is None and cut.rows[0].token_ids  # a prefix to continue
+    assert cut.rows[1].finish_reason == "abort" and len(cut.rows[1].token_ids) < 5_000
+    assert engine.stream_running() == (0, 0)
+
+
+def test_a_group_that_finished_before_the_abort_was_read_comes_back_whole(engine):
+    """A request can finish in the scheduler between the last step and the abort (SGLang
+    then answers it with its full output and reason ``length``/``stop``): its group comes
+    back from the abort complete (``done``), for the sampler to score, and the cut group
+    as a prefix."""
+    from dapo_megatron.rollout.engine import StreamGroup, StreamRow
+
+    engine.stream_wait_s = 0.02
+    engine._engine.finished_at_abort = {11, 12}
+    params = SamplingParams(temperature=1.0, max_new_tokens=2_000)
+    engine.stream_add(
+        [StreamGroup(1, [1], [StreamRow(11), StreamRow(12)]), StreamGroup(2, [1], [StreamRow(21)])], params
+    )
+    assert engine.stream_step(64, version=3) == []
+    back = {g.key: g for g in engine.stream_abort(version=3)}
+    assert back[1].done and [row.finish_reason for row in back[1].rows] == ["length", "length"]
+    assert all(len(row.token_ids) == 2_000 and row.versions == [3] * 2_000 for row in back[1].rows)
+    assert not back[2].done and back[2].rows[0].finish_reason is None
+
+
+@pytest.mark.parametrize(
+    ("params_dtype", "device", "served"),
+    [
+        ("float32", "cuda", "float32"),
+        ("bfloat16", "cuda", "bfloat16"),
+        ("auto", "cuda", "bfloat16"),
+        ("float32", "auto", "float32"),
+    ],
+)
+def test_the_sglang_engine_is_built_in_the_actors_dtype(monkeypatch, tmp_path, params_dtype, device, served):
+    from dapo_megatron.config import config_from_dict
+    from dapo_megatron.orchestration.rollout import _build_engine
+    from tests.distributed.actor_worker import tiny_hf_qwen2
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=StandInEngine))
+    monkeypatch.setenv(sglang_engine.ENGINE_PROCESS_ENV, str(os.getpid()))
+    tiny_hf_qwen2(tied=False, seed=0).config.save_pretrained(tmp_path / "model")
+    config = config_from_dict(
+        {
+            "model": {"hf_config": str(tmp_path / "model"), "params_dtype": params_dtype},
+            "parallel": {"device": device},
+            "rollout": {"engine": "sglang", "engine_tp_size": 1},
+        }
+    )
+    assert _build_engine(config, 0)._engine.server_args["dtype"] == served
+
+
+def test_an_sglang_engine_reports_no_peak_memory_and_refuses_to_export_its_weights(engine, monkeypatch):
+    """Its GPU memory is held by SGLang's scheduler processes, not the worker's: the peak is
+    reported as not available (None), never the worker's host memory; and SGLang 0.5.23's
+    Qwen models cannot hand their weights back (no get_weights_by_name): served_weights
+    says so instead of calling a method the engine lacks."""
+    from dapo_megatron.orchestration.rollout import EngineWorker
+
+    worker = types.SimpleNamespace(engine=engine)
+    cls = EngineWorker.__ray_actor_class__  # the class the Ray actor runs, undecorated
+    assert cls.peak_memory(worker, True) is None
+    with pytest.raises(NotImplementedError, match="SGLang engine.*rollout.engine=hf"):
+        cls.served_weights(worker)
+    # bench's table says so instead of a number.
+    from dapo_megatron.bench.report import _row
+
+    record = {
+        "seconds": {"median": 1.0, "spread": 0.0},
+        "tokens_per_s": 10.0,
+        "tokens_per_s_per_device": 10.0,
+        "peak_memory_bytes_actor_rank": 3 * 2**30,
+        "peak_memory_bytes_engine": None,
+    }
+    assert _row("generate", record)[4] == "3.00 GiB (engines: n/a)"
+    assert _row("generate", {**record, "peak_memory_bytes_engine": 5 * 2**30})[4] == "5.00 GiB"

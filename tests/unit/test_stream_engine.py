@@ -120,3 +120,89 @@ def test_groups_go_in_contiguous_shares_when_all_is_idle_then_to_the_least_busy_
     assigned = _assign(waiting, load, context, [6, 6], chunk=8)
     assert [(i.group.key, e) for i, e in assigned] == [(7, 0), (8, 1)]
     assert load == [4, 4] and context == [10 + 2 * 32, 80 + 2 * 2]
+
+
+class _AbortRaceEngines:
+    """Two stand-in engine ticks: the first hands back group 0 complete; the abort hands
+    back group 1 complete (it finished in the engine between the tick and the abort, as
+    SGLang answers such a request) and group 2 cut after 2 tokens per row."""
+
+    def __init__(self) -> None:
+        self.engines = [object()]
+        self.groups: dict[int, StreamGroup] = {}
+
+    def stream_tick(self, adds, params, max_tokens, abort=False):
+        for group in adds[0]:  # a copy, as a Ray call hands over
+            self.groups[group.key] = copy.deepcopy(group)
+        key = {group.key & 0xFFFFFFFF: group.key for group in self.groups.values()}  # draw index -> key
+        if not abort:
+            back = [self._finish(key[0], correct_first=True)]
+        else:
+            back = [self._finish(key[1], correct_first=True), self._cut(key[2])]
+        for group in back:
+            del self.groups[group.key]
+        return [{"groups": back, "busy_s": 0.0, "running_rows": 0, "running_tokens": 0}]
+
+    def _finish(self, key, correct_first):
+        group = self.groups[key]
+        for i, row in enumerate(group.rows):  # row 0 answers "1" (right), the others "0" (mixed rewards)
+            row.token_ids, row.log_probs, row.versions = [1 if i == 0 and correct_first else 0] * 3, [-0.5] * 3, [7] * 3
+            row.finish_reason = "length"
+        return group
+
+    def _cut(self, key):
+        group = self.groups[key]
+        for row in group.rows:
+            row.token_ids, row.log_probs, row.versions = [0, 0], [-0.5] * 2, [7] * 2
+        return group
+
+
+class _Loader:
+    epoch = 0
+
+    def next_batch(self, count):
+        from dapo_megatron.data import Prompt
+
+        return [Prompt(i, (2, 3), "1", "test", "p") for i in range(count)]
+
+
+class _Rewards:
+    def score(self, texts, truths):
+        from dapo_megatron.algo.rewards.base import RewardResult
+
+        return [RewardResult(1.0 if t == truth else -1.0, t == truth, t) for t, truth in zip(texts, truths)]
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "1" if ids and ids[0] == 1 else "0"
+
+
+@pytest.mark.parametrize("mode", ["drop", "carry_over", "partial_rollout"])
+def test_a_group_that_completed_before_the_abort_is_scored_not_counted_as_aborted(mode):
+    """A batch of one group, three in flight: the first tick completes group 0 (the batch
+    is full), the abort hands back group 1 complete and group 2 cut. Group 1 is a whole,
+    scorable group: it is scored and kept (carried into the next batch with
+    ``carry_over``, trimmed without), never counted as aborted nor held over as partial;
+    only group 2 is."""
+    from dapo_megatron.config import config_from_dict
+    from dapo_megatron.stream_sampling import StreamingSampler
+    from tests.unit.test_config import tiny
+
+    rollout = {"streaming": True, "n_samples_per_prompt": 2, "max_prompts_in_flight": 3}
+    if mode != "drop":
+        rollout[mode] = True
+    raw = tiny(rollout=rollout, data={"train_batch_size": 1, "gen_batch_size": 3, "mini_batch_size": 2})
+    config = config_from_dict(raw)
+    engines = _AbortRaceEngines()
+    sampler = StreamingSampler(engines, _Rewards(), _Loader(), SAMPLING, config, _Tokenizer())
+    batch, metrics = sampler.collect(step=1, version=7, times={})
+    assert [s.group_id for s in batch] == [(1, 0), (1, 0)]
+    assert metrics["dynamic_sampling/generated"] == 2  # groups 0 and 1 were scored
+    assert metrics["stream/aborted_groups"] == (0 if mode == "partial_rollout" else 1)  # group 2 only
+    assert metrics["stream/aborted_tokens"] == (0 if mode == "partial_rollout" else 4)
+    assert metrics["stream/generated_tokens"] == 6 + 6 + 4
+    carried = [[s.group_id for s in group] for group in sampler.carried]
+    assert carried == ([[(1, 1), (1, 1)]] if mode == "carry_over" else [])
+    assert metrics["dynamic_sampling/trimmed"] == (0 if mode == "carry_over" else 1)
+    assert [item.group.key & 0xFFFFFFFF for item in sampler.partial] == ([2] if mode == "partial_rollout" else [])
