@@ -12,7 +12,9 @@ Weight sync runs on the ranks: the first stage's leader (global rank 0) receives
 other stages' buckets as :func:`sync_weights` already does and feeds every engine at
 once. Colocated engines get each bucket *by handle* (:mod:`handles`): packed once into a
 reusable shareable buffer (CUDA IPC on GPU, shared memory on the CPU), the handle sent
-to all engines, the next bucket packed while they copy. Separate engines join a
+to all engines, the next bucket packed while they copy; for SGLang's engines, whose TP
+workers map the memory themselves, into a fresh staging tensor per bucket, serialized
+once for each TP worker and freed once they have loaded it. Separate engines join a
 weight-update group hosted by rank 0 and receive each announced bucket by broadcast
 (NCCL on GPU, gloo on the CPU; :mod:`dapo_megatron.actor.broadcast_sync`). Either way
 tensors never travel through Ray's object store.
@@ -93,10 +95,11 @@ def _stream_by_handle(
     without waiting for the previous one (an engine works through its calls in order, so
     it never idles between buckets); wait only before reusing a buffer, for the bucket
     packed into it last; ``keep(handle)`` sees every handle; ``serialize`` (SGLang's
-    engines) also serializes each packed tensor for the engines' own workers, once for
-    each of their ``readers_per_engine`` TP workers, and each engine gets only its own
-    workers' payloads (every share is opened exactly once); every engine takes each bucket
-    within ``bound_s``. Returns ``(bytes, tensors, buckets)`` sent."""
+    engines: ``serialize(flat, layout) -> bytes``) serializes each packed bucket, whole,
+    for the engines' own workers, once for each of their ``readers_per_engine`` TP
+    workers, and each engine gets only its own workers' payloads (every share is opened
+    exactly once; the staging is freed once all have loaded it); every engine takes each
+    bucket within ``bound_s``. Returns ``(bytes, tensors, buckets)`` sent."""
     in_flight: deque = deque()
     num_bytes = num_tensors = num_buckets = 0
     readers = len(engines) * readers_per_engine if serialize is not None else 1
@@ -116,6 +119,9 @@ def _stream_by_handle(
         num_buckets += 1
     while in_flight:
         _await_engines(in_flight.popleft(), bound_s, names)
+    if serialize is not None:  # every bucket loaded: nothing shared is kept until the next sync
+        for buffer in buffers:
+            buffer.release_staging()
     return num_bytes, num_tensors, num_buckets
 
 
@@ -360,7 +366,7 @@ class ActorRank:
                 self._buffers = [SharedBucketBuffer(self.actor.device) for _ in range(2)]
             serialize = None
             if engine_kind(self.config) == "sglang":
-                from dapo_megatron.rollout.sglang_engine import sglang_tensor_payload as serialize
+                from dapo_megatron.rollout.sglang_engine import sglang_bucket_payload as serialize
             fanout = _EngineFanout(
                 engines, names, self._sync_bound_s, self._buffers, serialize, self.config.rollout.engine_tp_size
             )

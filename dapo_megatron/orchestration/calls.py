@@ -122,6 +122,7 @@ def _wait(pending: list, timeout_s: float) -> tuple[list, list]:
             raise exc.__cause__ from None
         raise
 
+
 SCHEDULE_TIMEOUT_S = 120.0
 """How long a group's start waits, with no member starting, for Ray to place the members
 it has not started before naming them (a start that keeps making progress, many

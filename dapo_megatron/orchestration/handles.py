@@ -14,6 +14,17 @@ memory. The receiver maps the same memory and copies out what it keeps.
   the handle is made by the same ``ForkingPickler``: the CPU tests exercise the handle
   design itself.
 
+For engines whose own workers map the tensors (SGLang's TP workers), the sender packs each
+bucket into a *fresh* staging tensor and serializes it once per reader, whole, with the
+tensors' byte ranges (:func:`~dapo_megatron.rollout.engine.flat_bucket`, SGLang's
+``flattened_bucket`` format); the staging tensor is freed once its readers have loaded
+it. Not one long-lived buffer
+serialized once per tensor and reader: torch wraps a CUDA storage anew on every share and
+releases none of the wrappers (nor their ref-counter slots in ``/dev/shm``, nor their IPC
+events: past 1,000 a share blocks on ``cudaStreamSynchronize``) until the storage is
+freed, so the 32B recipe's 771 tensors x 8 TP workers per sync would pile up for the
+whole run, and freeing the buffer at the end would unwind millions of nested wrappers.
+
 On the CPU the actor's parameters themselves are moved into shared memory once
 (:func:`share_storage`), so a bucket of tensors that are views of them is sent as
 references into that memory and the sender copies nothing; only tensors the sync had to
@@ -90,16 +101,17 @@ class BucketHandle:
     """``(hf_name, shape, dtype, buffer_index, byte_offset)`` of each (contiguous) tensor."""
     offsets: tuple[tuple[int, ...], ...] = ()
     """The bucket's piece offsets (see :class:`WeightBucket`); empty for whole tensors."""
-    serialized: tuple[tuple[bytes, ...], ...] = ()
-    """Each tensor serialized by the sender for engines that map them in processes of
-    their own (SGLang's TP workers: see ``sglang_engine.sglang_tensor_payload``), once per
-    reader: ``serialized[t][r]`` is tensor ``t`` for reader ``r`` (a CUDA IPC share is
-    opened once, by one process: torch counts each share's release); empty otherwise."""
+    serialized: tuple[bytes, ...] = ()
+    """The whole bucket serialized by the sender for engines that map it in processes of
+    their own (SGLang's TP workers: see ``sglang_engine.sglang_bucket_payload``), once per
+    reader: ``serialized[r]`` is reader ``r``'s (a CUDA IPC share is opened once, by one
+    process: torch counts each share's release); empty otherwise (``buffers`` then name
+    the memory)."""
 
     def for_readers(self, first: int, count: int) -> BucketHandle:
         """This handle with only readers ``first .. first + count - 1``'s payloads (one
         engine's TP workers)."""
-        return dataclasses.replace(self, serialized=tuple(p[first : first + count] for p in self.serialized))
+        return dataclasses.replace(self, serialized=self.serialized[first : first + count])
 
     @property
     def num_bytes(self) -> int:
@@ -124,6 +136,12 @@ class SharedBucketBuffer:
     copy at all on the sender. Any other tensor is copied into one reusable shareable
     staging buffer, which grows (a new allocation, hence a new handle) only when a bucket
     needs more than any before it.
+
+    Buckets serialized for the engines' own workers (``pack(..., serialize)``) are staged
+    instead in a fresh tensor per bucket, shared once per reader and freed when the next
+    bucket is packed here (the caller has waited for its readers by then) or by
+    :meth:`release_staging`: a CUDA storage is never shared more often than it has
+    readers, and nothing shared outlives its bucket (see the module docstring).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -141,20 +159,23 @@ class SharedBucketBuffer:
         return self._storage_handles[key]
 
     def pack(self, bucket: WeightBucket, serialize=None, readers: int = 1) -> BucketHandle:
-        """Reference or copy ``bucket``'s tensors; return the handles and layout, and,
-        with ``serialize``, each packed tensor (a view of the buffer) serialized by it
-        ``readers`` times, a payload for each process that will open it."""
+        """Reference or copy ``bucket``'s tensors; return the handles and layout. With
+        ``serialize(flat, layout) -> bytes``, copy them into a fresh staging tensor
+        instead (the previous bucket's is freed) and serialize it ``readers`` times, a
+        payload for each process that will open it, and make no handle of it."""
+        if serialize is not None:
+            return self._pack_serialized(bucket, serialize, readers)
         referenced = [
             t.device.type == "cpu" and t.is_shared() and t.is_contiguous() and self.device.type == "cpu"
             for _, t in bucket.tensors
         ]
         total = sum(_aligned(t.nbytes) for (_, t), ref in zip(bucket.tensors, referenced) if not ref)
-        if total and (self._flat is None or self._flat.numel() < total):
+        if total and (self._flat is None or self._handle is None or self._flat.numel() < total):
             self._flat = torch.empty(total, dtype=torch.uint8, device=self.device)
             share_storage(self._flat)  # no-op for CUDA tensors: they travel by IPC handle
             self._handle = tensor_handle(self._flat)
         buffers: list[bytes] = []
-        layout, offset, serialized = [], 0, []
+        layout, offset = [], 0
 
         def index_of(handle: bytes) -> int:
             if handle not in buffers:
@@ -167,22 +188,39 @@ class SharedBucketBuffer:
                 layout.append(
                     (name, tuple(tensor.shape), tensor.dtype, index_of(self._storage_handle(tensor)), byte_offset)
                 )
-                if serialize is not None:
-                    serialized.append(tuple(serialize(tensor) for _ in range(readers)))
                 continue
-            size = tensor.nbytes
-            packed = self._flat[offset : offset + size].view(tensor.dtype).view(tensor.shape)
-            packed.copy_(tensor)
+            self._stage(tensor, offset)
             layout.append((name, tuple(tensor.shape), tensor.dtype, index_of(self._handle), offset))
-            if serialize is not None:
-                serialized.append(tuple(serialize(packed) for _ in range(readers)))
-            offset += _aligned(size)
-        return BucketHandle(tuple(buffers), tuple(layout), tuple(bucket.offsets), tuple(serialized))
+            offset += _aligned(tensor.nbytes)
+        return BucketHandle(tuple(buffers), tuple(layout), tuple(bucket.offsets))
+
+    def _stage(self, tensor: torch.Tensor, offset: int) -> None:
+        """Copy ``tensor`` into the staging buffer at byte ``offset``."""
+        self._flat[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+    def _pack_serialized(self, bucket: WeightBucket, serialize, readers: int) -> BucketHandle:
+        """``bucket`` copied into a fresh staging tensor, serialized once per reader."""
+        self.release_staging()  # the previous bucket's: its readers have loaded it
+        total = sum(_aligned(t.nbytes) for _, t in bucket.tensors)
+        # [bucket bytes]; on the CPU the first payload moves it into shared memory
+        self._flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        layout, offset = [], 0
+        for name, tensor in bucket.tensors:
+            self._stage(tensor, offset)
+            layout.append((name, tuple(tensor.shape), tensor.dtype, 0, offset))
+            offset += _aligned(tensor.nbytes)
+        payloads = tuple(serialize(self._flat, layout) for _ in range(readers))
+        return BucketHandle((), tuple(layout), tuple(bucket.offsets), payloads)
+
+    def release_staging(self) -> None:
+        """Drop the staging buffer (and its handle): after a serialized stream, whose
+        readers have all loaded their buckets, nothing shared is kept until the next."""
+        self._flat, self._handle = None, None
 
     def close(self) -> None:
         """Drop the staging buffer and the references (shared memory goes once every
         process dropped it too)."""
-        self._flat, self._handle = None, None
+        self.release_staging()
         self._storage_handles = {}
 
 

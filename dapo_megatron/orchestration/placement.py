@@ -12,7 +12,10 @@ of a second each) place through the same functions, so what the rehearsal shows 
   only to tasks scheduled into it), spread evenly over its nodes, asking for no CPU or GPU
   and told their GPUs explicitly (:func:`colocated_engine_slots`).
 - Separate GPU engines: ``engine_tp_size`` GPUs of their own, outside the group, seen
-  through the ``CUDA_VISIBLE_DEVICES`` Ray sets (whatever their ids).
+  through the ``CUDA_VISIBLE_DEVICES`` Ray sets (whatever their ids). So are ``eval``'s
+  engines (no actor, no group): a GPU share each would let Ray's scheduler pack a
+  node's worth of shares onto the head node (it fills the local node to half its GPUs
+  first), where their whole GPUs do not fit; whole GPUs make Ray spread them.
 - Each rank's (tp, cp, dp, pp) coordinates follow megatron-core's default rank order
   ``tp-cp-ep-dp-pp`` (:func:`rank_coordinates`).
 """
@@ -94,25 +97,6 @@ def rank_coordinates(parallel: ParallelConfig, rank: int) -> dict[str, int]:
     }
 
 
-def engine_gpu_bases(engine_nodes: list[str], tp_size: int, gpus_per_node: int) -> list[int]:
-    """Colocated engines: each engine's first GPU on its node (engines of a node, in index
-    order, take consecutive ``tp_size`` slots); ValueError when a node's engines need more
-    GPUs than it has."""
-    bases, used = [], {}
-    for index, node in enumerate(engine_nodes):
-        base = used.get(node, 0)
-        if base + tp_size > gpus_per_node:
-            count = engine_nodes.count(node)
-            raise ValueError(
-                f"rollout engine {index}: node {node} holds {count} engines of engine_tp_size={tp_size} "
-                f"({count * tp_size} GPUs) but has {gpus_per_node} (parallel.num_devices_per_node): lower "
-                "rollout.num_engines or engine_tp_size, or add nodes"
-            )
-        bases.append(base)
-        used[node] = base + tp_size
-    return bases
-
-
 def colocated_engine_slots(num_engines: int, tp_size: int, num_nodes: int, gpus_per_node: int) -> list[tuple[int, int]]:
     """Colocated GPU engines: each engine's node (the bundle of the actor's placement
     group, one per node) and first GPU. Engines spread evenly over the nodes, in index
@@ -140,18 +124,15 @@ def engine_placements(config: Config, placement_group=None) -> list[tuple[dict, 
     reserve every GPU of their nodes, so an engine asking for a GPU share outside the
     group would never start. They take no CPU or GPU of the bundle (the ranks hold them)
     and are given their GPUs explicitly (:func:`colocated_engine_slots`). Separate GPU
-    engines reserve ``engine_tp_size`` GPUs of their own and see only those; CPU engines
-    a CPU."""
+    engines, and colocated ones without a group (``eval``: no actor holds the GPUs),
+    reserve ``engine_tp_size`` GPUs of their own and see only those; CPU engines a CPU."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     rollout = config.rollout
     if engine_kind(config) != "sglang":
         return [({"num_cpus": 1, "num_gpus": 0}, None) for _ in range(rollout.num_engines)]
-    if not rollout.colocate:  # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it reserved
+    if not rollout.colocate or placement_group is None:  # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it reserved
         return [({"num_cpus": 1, "num_gpus": rollout.engine_tp_size}, None) for _ in range(rollout.num_engines)]
-    if placement_group is None:  # no actor reserves the GPUs (evaluation): a share of one
-        options = {"num_cpus": 1, "num_gpus": 0.2, "runtime_env": NOSET_CUDA_VISIBLE_DEVICES}
-        return [(dict(options), None) for _ in range(rollout.num_engines)]
     parallel = config.parallel
     slots = colocated_engine_slots(
         rollout.num_engines, rollout.engine_tp_size, parallel.num_nodes, parallel.num_devices_per_node

@@ -259,6 +259,50 @@ def rehearse(
     return rehearsal
 
 
+EVAL_WEIGHTS_DIR = "/rehearsal/hf"
+"""The HF folder the rehearsed ``eval`` engines are told to serve (stand-ins read nothing)."""
+
+
+def rehearse_eval(config: Config, cpus_per_node: int = 32, schedule_timeout_s: Optional[float] = None) -> Rehearsal:
+    """Place ``dapo-megatron eval``'s engines on a simulated cluster of the config's nodes:
+    no actor, so no placement group; the engines are asked for as :func:`evaluate` asks
+    (``RolloutWorkers(config, weights_dir)``), with stand-ins. The map is checked as for
+    separate engines (each on ``engine_tp_size`` GPUs of one node that it alone uses, and
+    sees as Ray's ``CUDA_VISIBLE_DEVICES``). ``cpus_per_node``: what each node declares;
+    a real node's many CPUs are what let Ray pack GPU shares onto one node."""
+    from dapo_megatron.orchestration.rollout import RolloutWorkers
+    from dapo_megatron.orchestration.stand_ins import StandInEngine
+
+    config = rehearsal_config(config)
+    parallel = config.parallel
+    if schedule_timeout_s is None:
+        schedule_timeout_s = max(REHEARSAL_SCHEDULE_TIMEOUT_S, SECONDS_PER_STAND_IN * config.rollout.num_engines)
+    gpus = parallel.num_devices_per_node if engine_kind(config) == "sglang" else 0
+    with declared_cluster(parallel.num_nodes, gpus, cpus_per_node):
+        start = time.perf_counter()
+        engines = RolloutWorkers(config, EVAL_WEIGHTS_DIR, start=False, engine_actor=StandInEngine)
+        engines.start(schedule_timeout_s=schedule_timeout_s)
+        engine_reports = ray.get([engine.report.remote() for engine in engines.handles])
+        node_ids = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        seconds = time.perf_counter() - start
+    index_of = {node: i for i, node in enumerate(node_ids)}
+    rehearsal = Rehearsal(
+        num_nodes=0,  # no actor: every node is the engines'
+        gpus_per_node=gpus,
+        colocate=False,
+        engine_tp_size=config.rollout.engine_tp_size if gpus else 0,
+        node_ids=node_ids,
+        ranks=[],
+        engines=[
+            EnginePlace(e["index"], index_of[e["node"]], e["gpus"], e["base_gpu_id"], e["cuda_visible_devices"], None)
+            for e in engine_reports
+        ],
+        seconds=seconds,
+    )
+    rehearsal.problems = placement_problems(rehearsal, parallel.tp_size)
+    return rehearsal
+
+
 def placement_problems(rehearsal: Rehearsal, tp_size: int) -> list[str]:
     """What is wrong with a placement map, one line each (empty when nothing is):
     every actor GPU used by exactly one rank (Ray's ``CUDA_VISIBLE_DEVICES`` naming it),

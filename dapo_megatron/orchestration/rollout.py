@@ -12,11 +12,12 @@ before the first generation, so actor and engines always hold the same policy.
 
 An engine is built in two phases: the worker process starts, then :meth:`EngineWorker.start`
 builds the engine on the GPUs it was given. On a GPU node several engines share the node
-(the 32B recipe: 32 engines on 128 GPUs), so each is told its first GPU (SGLang's
-``base_gpu_id``) among all of the node's devices, which its process sees (Ray would
-otherwise narrow them to a fractional share's one GPU): colocated engines take
-consecutive ``engine_tp_size`` slots on their node (:func:`engine_gpu_bases`); separate
-engines take the GPUs Ray reserved for them.
+(the 32B recipe: 32 engines on 128 GPUs). Colocated engines live in the actor's placement
+group and see all of the node's devices (their feeder's CUDA IPC shares name any of
+them), so each is told its first GPU (SGLang's ``base_gpu_id``): consecutive
+``engine_tp_size`` slots on its node (:func:`colocated_engine_slots`). Separate engines,
+and ``eval``'s (no actor), reserve ``engine_tp_size`` whole GPUs and start on the first
+of those Ray makes visible.
 """
 
 from __future__ import annotations
@@ -37,12 +38,11 @@ from dapo_megatron.orchestration.calls import CONTROL_TIMEOUT_S, SHUTDOWN_TIMEOU
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
 from dapo_megatron.orchestration.placement import (
     actor_on_gpu,
-    engine_gpu_bases,
     engine_kind,
     engine_placements,
     engine_start_gpus,
 )
-from dapo_megatron.rollout.engine import Generation, SamplingParams, StreamGroup, sampling_seeds
+from dapo_megatron.rollout.engine import Generation, SamplingParams, StreamGroup, WeightSyncError, sampling_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +132,16 @@ class EngineWorker:
 
     def load_weight_bucket_handle(self, handle, last: bool) -> None:
         """Map the bucket a rank packed (no copy) and let the engine copy it in; an engine
-        whose own workers map the tensors (SGLang) gets the sender's serialized tensors
+        whose own workers map the tensors (SGLang) gets the sender's serialized bucket
         instead, unopened here."""
-        if handle.serialized and getattr(self.engine, "accepts_serialized", False):
-            names = [name for name, *_ in handle.layout]
-            self.engine.load_serialized_bucket(names, list(handle.serialized), handle.num_bytes, last)
+        if handle.serialized:
+            if not getattr(self.engine, "accepts_serialized", False):
+                raise WeightSyncError(
+                    f"rollout engine {self.index} ({type(self.engine).__name__}) got a bucket serialized for an "
+                    "engine's own workers (SGLang's), which it does not take: the actor serializes buckets only "
+                    "when rollout.engine resolves to sglang; check that the actor and the engines agree on it"
+                )
+            self.engine.load_serialized_bucket(list(handle.serialized), len(handle.layout), handle.num_bytes, last)
             return
         self.engine.load_weight_bucket(self.receiver.open(handle), last)
 
@@ -283,7 +288,7 @@ class RolloutWorkers:
         self._bases = [base for _, base in placements]
         # Engines that share no device with the actor are built at once; colocated GPU
         # engines only once the actor is up (SGLang sizes its cache from the free memory).
-        late = on_gpu and rollout.colocate
+        late = on_gpu and rollout.colocate and placement_group is not None
         self._building = None if late else [e.start.remote(base) for e, base in zip(self.engines, self._bases)]
         if start:
             self.start()
@@ -300,14 +305,8 @@ class RolloutWorkers:
             "asked": self._asked,
             "schedule_timeout_s": schedule_timeout_s,
         }  # a start waits for placement, boundedly
-        if building is None:  # colocated on GPUs: given their GPUs, or the next free ones of their node
-            bases = self._bases
-            if None in bases:
-                nodes = call_all(
-                    [engine.node_id.remote() for engine in self.engines], "rollout engine", self.names, **placed
-                )
-                bases = engine_gpu_bases(nodes, rollout.engine_tp_size, self.config.parallel.num_devices_per_node)
-            building = [engine.start.remote(base) for engine, base in zip(self.engines, bases)]
+        if building is None:  # colocated on GPUs, inside the actor's group: given their GPUs
+            building = [engine.start.remote(base) for engine, base in zip(self.engines, self._bases)]
         call_all(building, "rollout engine", self.names, **placed)
         health = self.health()
         self.names = [f"rollout engine {h['index']} (pid {h['pid']})" for h in health]

@@ -15,6 +15,7 @@ train/rollout consistency metric) measures only numerical mismatch between the t
 from __future__ import annotations
 
 import abc
+import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -195,6 +196,30 @@ class WeightBucket:
     def num_bytes(self) -> int:
         """Bytes of tensor data in the bucket."""
         return sum(t.nbytes for _, t in self.tensors)
+
+
+def flat_bucket(flat: torch.Tensor, layout, entry=None) -> dict:
+    """A packed bucket as one flat ``uint8`` tensor and each tensor's byte range in it:
+    ``{"flattened_tensor": flat, "metadata": [entry(name=, shape=, dtype=, start_idx=,
+    end_idx=, numel=)]}``, the ``flattened_bucket`` payload SGLang 0.5.23's TP workers
+    take (``entry``: its ``FlattenedTensorMetadata``; a ``SimpleNamespace`` by default).
+    ``layout``: ``(name, shape, dtype, buffer_index, byte_offset)`` as the orchestration's
+    ``BucketHandle`` holds it; ``numel`` counts bytes, as SGLang's own flattened buckets do."""
+    entry = entry or types.SimpleNamespace
+    metadata = []
+    for name, shape, dtype, _, offset in layout:
+        size = torch.Size(shape).numel() * dtype.itemsize
+        metadata.append(
+            entry(name=name, shape=torch.Size(shape), dtype=dtype, start_idx=offset, end_idx=offset + size, numel=size)
+        )
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def unflatten_bucket(payload: dict) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of a :func:`flat_bucket` payload, as views of its flat tensor
+    (what an engine worker reads: each tensor's byte range, as its dtype and shape)."""
+    flat = payload["flattened_tensor"]
+    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).view(m.shape)) for m in payload["metadata"]]
 
 
 @dataclass

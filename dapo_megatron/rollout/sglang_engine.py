@@ -56,14 +56,19 @@ What SGLang 0.5.23 does, and what this wrapper does about it:
   GPUs explicitly (``base_gpu_id``): several engines share a node.
 
 Weight updates, two ways: colocated, each bucket goes through
-``update_weights_from_tensor`` (the KV cache is flushed with the last bucket) as tensors
-the feeding actor rank serialized itself, with SGLang's serializer (CUDA IPC handles
-naming the GPU by UUID): one payload per engine TP rank, serialized for that rank alone
-(each CUDA IPC share is opened once; torch counts its release), wrapped in SGLang's
-``LocalSerializedTensor`` (the pattern of SGLang's ``weight_sync/utils.py``). The engine's
-own process never maps the tensors (torch refuses to send on a CUDA tensor received from
-another process; ``update_weights_from_tensor`` would have to): it passes the handles
-through to its TP workers, each of which maps the sender's memory. On separate
+``update_weights_from_tensor`` (the KV cache is flushed with the last bucket) as one
+payload per engine TP rank that the feeding actor rank serialized itself, with SGLang's
+serializer (CUDA IPC handles naming the GPU by UUID): the whole bucket, packed into a
+fresh staging tensor, with each tensor's byte range, in SGLang's ``flattened_bucket``
+format (``load_format="flattened_bucket"``: the engine hands the payloads through and
+TP rank ``r`` deserializes the ``r``-th). So the staging tensor is shared once per TP
+worker and bucket (each share opened once; torch counts its release) and freed after
+the bucket, instead of a long-lived buffer being shared once per tensor and worker,
+which torch never releases until the buffer is freed (``orchestration/handles.py``).
+The engine's own process never maps the tensors (torch refuses to send on a CUDA tensor
+received from another process; ``update_weights_from_tensor`` would have to): it
+passes the payloads through to its TP workers, each of which maps the sender's memory
+and loads each tensor from its range (no copy of the whole bucket on its own GPU). On separate
 GPUs the engine joins an NCCL group (``init_weights_update_group``) and receives each
 bucket by broadcast (``update_weights_from_distributed``) while the sender broadcasts the
 same tensors in the same order. SGLang applies every call as it arrives, so unlike the
@@ -94,6 +99,7 @@ from dapo_megatron.rollout.engine import (
     WeightBucket,
     WeightSyncError,
     continuation_seed,
+    flat_bucket,
     with_last_flag,
 )
 
@@ -189,17 +195,21 @@ def checked(call: str, answer: Any) -> str:
     return str(message)
 
 
-def sglang_tensor_payload(tensor: torch.Tensor) -> bytes:
-    """The sender's side of a colocated update (an actor rank): ``tensor`` serialized
-    with SGLang's ``MultiprocessingSerializer`` after its ``monkey_patch_torch_reductions``,
-    so a CUDA tensor is named by device UUID (the engine's workers see other device
-    indices than the sender). A handle, never the data; the tensor must stay alive and
-    unchanged until the engine has loaded it."""
+def sglang_bucket_payload(flat: torch.Tensor, layout) -> bytes:
+    """The sender's side of a colocated update (an actor rank): one packed bucket
+    (``flat``, its tensors at ``layout``'s byte offsets, see :func:`flat_bucket`)
+    as SGLang's ``flattened_bucket`` payload (``FlattenedTensorMetadata`` per tensor),
+    serialized for one TP worker with SGLang's ``MultiprocessingSerializer`` after its
+    ``monkey_patch_torch_reductions``, so a CUDA tensor is named by device UUID (the
+    engine's workers see other device indices than the sender). One CUDA IPC share of
+    ``flat``, never the data; ``flat`` must stay alive and unchanged until the engine has
+    loaded it."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
     monkey_patch_torch_reductions()
-    return MultiprocessingSerializer.serialize(tensor.detach())
+    return MultiprocessingSerializer.serialize(flat_bucket(flat.detach(), layout, FlattenedTensorMetadata))
 
 
 def row_sampling_params(params: SamplingParams, rows: int) -> list[dict]:
@@ -519,30 +529,26 @@ class SGLangRolloutEngine(RolloutEngine):
     accepts_serialized = True
     """Takes buckets as tensors the sender serialized (:meth:`load_serialized_bucket`)."""
 
-    def load_serialized_bucket(
-        self, names: list[str], payloads: list[tuple[bytes, ...]], num_bytes: int, last: bool
-    ) -> None:
-        """One bucket of the open update as sender-serialized tensors
-        (:func:`sglang_tensor_payload`), one payload of each tensor per TP worker, handed
-        over as SGLang's ``LocalSerializedTensor``: worker ``r`` maps ``values[r]``, and
-        no payload is opened twice (torch's CUDA IPC counts every share's release)."""
-        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
-
+    def load_serialized_bucket(self, payloads: list[bytes], num_tensors: int, num_bytes: int, last: bool) -> None:
+        """One bucket of the open update as the sender serialized it
+        (:func:`sglang_bucket_payload`), one payload per TP worker, handed over in SGLang's
+        ``flattened_bucket`` format: the engine passes the list through and worker ``r``
+        maps ``payloads[r]`` (no payload is opened twice: torch's CUDA IPC counts every
+        share's release) and loads each tensor from its byte range."""
         session = self._require_session("a weight bucket arrived")
-        if len(names) != len(payloads):
-            raise WeightSyncError(f"a serialized bucket names {len(names)} tensors but carries {len(payloads)}")
-        for name, per_worker in zip(names, payloads):
-            if len(per_worker) != self.tp_size:
-                raise WeightSyncError(
-                    f"tensor {name} arrived with {len(per_worker)} serialized payload(s) for {self.tp_size} TP workers "
-                    "(one each: a share is opened once)"
-                )
-        named = [(name, LocalSerializedTensor(values=list(per_worker))) for name, per_worker in zip(names, payloads)]
+        if len(payloads) != self.tp_size:
+            raise WeightSyncError(
+                f"a serialized bucket of {num_tensors} tensors arrived with {len(payloads)} payload(s) for "
+                f"{self.tp_size} TP workers: one each (a CUDA IPC share is opened once); the feeding rank's "
+                "readers per engine must be rollout.engine_tp_size"
+            )
         checked(
             "update_weights_from_tensor",
-            self._engine.update_weights_from_tensor(named_tensors=named, load_format=None, flush_cache=last),
+            self._engine.update_weights_from_tensor(
+                named_tensors=list(payloads), load_format="flattened_bucket", flush_cache=last
+            ),
         )
-        self._count(session, len(names), num_bytes)
+        self._count(session, num_tensors, num_bytes)
 
     @staticmethod
     def _count(session: dict, tensors: int, num_bytes: int) -> None:

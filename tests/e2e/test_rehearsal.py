@@ -154,3 +154,25 @@ def test_the_rehearsal_cluster_listens_on_loopback_and_needs_a_token():
         assert allowed.returncode == 0 and "CONNECTED 2.0" in allowed.stdout, allowed.stderr[-2000:]
     assert not token.exists()
     assert {k: v for k, v in os.environ.items() if k.startswith(("RAY_AUTH", "RAY_ENABLE"))} == before
+
+
+def test_evals_32_engines_of_the_recipe_take_whole_gpus_spread_over_the_16_nodes():
+    """``dapo-megatron eval`` of the 32B recipe has no actor and so no placement group:
+    its 32 engines of TP 4 are placed on the recipe's full cluster (16 nodes x 8 GPUs,
+    32 CPUs each, as a real node declares many), two per node, each on 4 GPUs of its
+    node that no other engine uses and that its process sees. (Asking for a GPU share,
+    as eval once did, Ray packed them onto the head node and the start raised.)"""
+    from dapo_megatron.orchestration.rehearsal import rehearse_eval
+
+    rehearsal = rehearse_eval(load_config(RECIPE, [FITS]))
+    assert rehearsal.problems == []
+    assert len(rehearsal.node_ids) == 16 and len(rehearsal.engines) == 32
+    assert sorted(e.index for e in rehearsal.engines) == list(range(32))
+    per_node = {node: [e for e in rehearsal.engines if e.node == node] for node in range(16)}
+    assert all(len(engines) == 2 for engines in per_node.values()), {n: len(e) for n, e in per_node.items()}
+    for engines in per_node.values():
+        used = sorted(gpu for engine in engines for gpu in engine.gpus)
+        assert used == list(range(8))  # 2 engines x 4 GPUs: every GPU of the node once
+        for engine in engines:
+            assert len(engine.gpus) == 4 and engine.base_gpu_id == 0
+            assert engine.cuda_visible_devices == ",".join(map(str, engine.gpus))

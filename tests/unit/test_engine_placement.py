@@ -9,15 +9,7 @@ import types
 import pytest
 import ray
 
-from dapo_megatron.orchestration.placement import engine_gpu_bases, engine_start_gpus
-
-
-def test_colocated_engines_take_consecutive_slots_per_node():
-    nodes = ["a", "b", "a", "a", "b"]
-    assert engine_gpu_bases(nodes, 2, 8) == [0, 0, 2, 4, 2]
-    assert engine_gpu_bases(["a"] * 4, 1, 4) == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match=r"node a holds 3 engines of engine_tp_size=2 \(6 GPUs\) but has 4"):
-        engine_gpu_bases(["a", "a", "a"], 2, 4)
+from dapo_megatron.orchestration.placement import engine_start_gpus
 
 
 def _engines_config(**rollout):

@@ -358,21 +358,41 @@ def test_gpu_extra_pins_what_the_wrapper_and_megatron_were_checked_against():
     assert te.specifier == Requirement(megatron_te).specifier and "pytorch" in te.extras, (te, megatron_te)
 
 
-def test_tp_workers_unwrap_their_own_value_of_a_local_serialized_tensor():
-    """What a colocated update sends: SGLang's LocalSerializedTensor(values=[one payload
-    per TP rank]); each worker deserializes values[tp_rank] (and moves it to its device);
-    the Engine serializes the list once per TP rank and each worker reads its own."""
-    updater = _functions("sglang/srt/model_executor/model_runner_components/weight_updater.py")
-    assert "tensor = tensor.get(tp_rank)" in ast.unparse(updater["_unwrap_tensor"])
-    local = find_class(
-        parse("sglang/srt/model_executor/model_runner_components/weight_updater.py"), "LocalSerializedTensor"
-    )
-    get = next(n for n in local.body if isinstance(n, ast.FunctionDef) and n.name == "get")
-    assert "MultiprocessingSerializer.deserialize(self.values[rank])" in ast.unparse(get)
+def test_tp_workers_load_their_own_flattened_bucket_payload():
+    """What a colocated update sends: ``load_format="flattened_bucket"`` with one payload
+    per TP rank, each the whole bucket (its flat tensor and a FlattenedTensorMetadata per
+    tensor, built by ``flat_bucket`` with exactly that class's fields). The Engine passes
+    such payloads through as they are, each worker deserializes its own (index tp_rank),
+    reads every tensor from its byte range and loads it, and SGLang's safe unpickler lets
+    the metadata class through."""
+    import torch
+
+    from dapo_megatron.rollout.engine import flat_bucket
+
     engine = ast.unparse(_functions("sglang/srt/entrypoints/engine.py")["_serialize_tensors_per_rank"])
-    assert "MultiprocessingSerializer.serialize(tensors) for _ in range(get_parallel().tp_size)" in engine
+    assert "if load_format == 'flattened_bucket':" in engine
+    assert "return normalize_serialized_named_tensor_payloads(" in engine
     worker = ast.unparse(_functions("sglang/srt/managers/tp_worker.py")["deserialize_own_rank"])
     assert "serialized_named_tensors[get_parallel().tp_rank]" in worker
+    updater = _functions("sglang/srt/model_executor/model_runner_components/weight_updater.py")
+    update = ast.unparse(updater["update_weights_from_tensor"])
+    assert "if load_format == 'flattened_bucket':" in update
+    assert "flattened_tensor_bucket_dict=named_tensors" in update
+    flat = ast.unparse(updater["_update_weights_from_flattened_bucket"])
+    assert "flattened_tensor_bucket_dict['flattened_tensor']" in flat
+    assert "flattened_tensor_bucket_dict['metadata']" in flat and "self.get_model().load_weights(" in flat
+    tensor_bucket = parse("sglang/srt/weight_sync/tensor_bucket.py")
+    metadata = find_class(tensor_bucket, "FlattenedTensorMetadata")
+    fields = [n.target.id for n in metadata.body if isinstance(n, ast.AnnAssign)]
+    assert fields == ["name", "shape", "dtype", "start_idx", "end_idx", "numel"]
+    assert all(f"meta.{field}" in flat for field in fields)
+    reconstruct = ast.unparse(find_class(tensor_bucket, "FlattenedTensorBucket"))
+    assert "self.flattened_tensor[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)" in reconstruct
+    sent = flat_bucket(torch.zeros(64, dtype=torch.uint8), [("w", (2, 3), torch.float32, 0, 0)], dict)
+    assert list(sent) == ["flattened_tensor", "metadata"] and list(sent["metadata"][0]) == fields
+    unpickler = wheel().read("sglang/srt/utils/common.py").decode()
+    assert '("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")' in unpickler
+    assert '("builtins", "dict")' in unpickler
     patch = wheel().read("sglang/srt/utils/patch_torch.py").decode()
     assert "def monkey_patch_torch_reductions" in patch and "uuid" in patch.lower()
 

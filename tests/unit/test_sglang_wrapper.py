@@ -286,74 +286,77 @@ def test_the_trainers_engines_skip_reading_weights_the_sync_overwrites(monkeypat
     assert evaluations._engine.server_args["load_format"] == "auto"
 
 
-class StandInLocalSerializedTensor:
-    """SGLang's LocalSerializedTensor (weight_updater.py): values[r] is TP rank r's
-    serialized tensor; get(r) deserializes it."""
+def _payload(flat, layout) -> bytes:
+    """What ``sglang_bucket_payload`` sends, without SGLang: the flattened bucket pickled
+    by torch's ForkingPickler (as SGLang's MultiprocessingSerializer does)."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
 
-    def __init__(self, values):
-        self.values = values
+    from dapo_megatron.rollout.engine import flat_bucket
 
-    def get(self, rank):
-        import pickle
-
-        return pickle.loads(self.values[rank])
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(flat_bucket(flat, layout))
+    return buffer.getvalue()
 
 
-def test_colocated_buckets_reach_every_tp_worker_as_the_senders_serialized_tensors(engine, monkeypatch):
-    """The actor rank packs a bucket and serializes each packed tensor; the engine worker
-    passes them through unopened; each of the engine's 2 TP workers maps its own value
-    (the stand-in unwraps as SGLang's _unwrap_tensor does) and gets the sender's tensor."""
-    from dapo_megatron.orchestration.handles import SharedBucketBuffer, tensor_handle
+def test_colocated_buckets_reach_every_tp_worker_as_the_senders_flattened_bucket(engine):
+    """The actor rank packs a bucket and serializes it, whole, once per TP worker; the
+    engine worker passes the payloads through unopened with load_format
+    "flattened_bucket"; each of the engine's 2 TP workers deserializes its own (SGLang's
+    deserialize_own_rank) and reads each tensor from its byte range: the sender's tensors."""
+    import pickle
 
-    module = types.SimpleNamespace(LocalSerializedTensor=StandInLocalSerializedTensor)
-    monkeypatch.setitem(sys.modules, "sglang.srt.model_executor.model_runner_components.weight_updater", module)
+    from dapo_megatron.orchestration.handles import SharedBucketBuffer
+    from dapo_megatron.rollout.engine import unflatten_bucket
+
     loaded = {}
 
     def update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True):
-        assert engine._engine.session and load_format is None
-        for name, wrapped in named_tensors:
-            loaded[name] = [wrapped.get(rank).clone() for rank in range(2)]  # each TP worker's unwrap
+        assert engine._engine.session and load_format == "flattened_bucket" and len(named_tensors) == 2
+        for rank in range(2):  # each TP worker's own payload
+            for name, tensor in unflatten_bucket(pickle.loads(named_tensors[rank])):
+                loaded.setdefault(name, []).append(tensor.clone())
         return True, "Success"
 
     engine._engine.update_weights_from_tensor = update_weights_from_tensor
-    sent = {"q": torch.randn(3, 4), "b": torch.arange(5.0)}
+    sent = {"q": torch.randn(3, 4), "b": torch.arange(5.0).to(torch.bfloat16)}
     buffer = SharedBucketBuffer(torch.device("cpu"))
-    handle = buffer.pack(WeightBucket(list(sent.items())), tensor_handle, readers=2)
-    assert len(handle.serialized) == 2 and all(len(payloads) == 2 for payloads in handle.serialized)
+    handle = buffer.pack(WeightBucket(list(sent.items())), _payload, readers=2)
+    assert len(handle.serialized) == 2 and handle.buffers == ()  # one payload per worker, no other handle
     engine.begin_weight_update()
-    engine.load_serialized_bucket([n for n, *_ in handle.layout], list(handle.serialized), handle.num_bytes, True)
+    engine.load_serialized_bucket(list(handle.serialized), len(handle.layout), handle.num_bytes, True)
     stats = engine.end_weight_update()
-    assert set(loaded) == set(sent) and stats.num_bytes == (12 + 5) * 4
+    assert set(loaded) == set(sent) and (stats.num_tensors, stats.num_bytes) == (2, 12 * 4 + 5 * 2)
     for name, tensor in sent.items():
-        assert all(torch.equal(copy, tensor) for copy in loaded[name])
-    with pytest.raises(WeightSyncError, match="names 1 tensors but carries 2"):
+        assert len(loaded[name]) == 2 and all(torch.equal(copy, tensor) for copy in loaded[name])
+    # One payload for both TP workers (a share opened twice) is refused.
+    with pytest.raises(WeightSyncError, match=r"arrived with 1 payload\(s\) for 2 TP workers: one each"):
         engine.begin_weight_update()
-        engine.load_serialized_bucket(["q"], list(handle.serialized), 0, True)
+        engine.load_serialized_bucket(list(handle.serialized[:1]), 2, 0, True)
     engine.abort_weight_update()
-    # One payload shared by both TP workers (a share opened twice) is refused.
-    with pytest.raises(WeightSyncError, match=r"tensor q arrived with 1 serialized payload\(s\) for 2 TP workers"):
-        engine.begin_weight_update()
-        engine.load_serialized_bucket(["q", "b"], [p[:1] for p in handle.serialized], 0, True)
     buffer.close()
 
 
 def test_every_cuda_ipc_share_is_opened_by_exactly_one_tp_worker(monkeypatch):
     """A feeder rank streams 3 buckets by handle to 2 engines of TP 4: every payload it
     serializes (a share) is opened once, by one TP worker of one engine, and every worker
-    gets every tensor. Stand-in readers take the engine worker's path."""
+    gets every bucket; one share per bucket and worker (24), not one per tensor and
+    worker. Stand-in readers take the engine worker's path."""
     from dapo_megatron.orchestration import actor_group
     from dapo_megatron.orchestration.handles import SharedBucketBuffer
 
     shares: list[bytes] = []
+    layouts: dict[bytes, list[str]] = {}
 
-    def serialize(tensor):  # one new share per call, as torch's CUDA IPC reduction makes
+    def serialize(flat, layout):  # one new share per call, as torch's CUDA IPC reduction makes
         shares.append(f"share {len(shares)}".encode())
+        layouts[shares[-1]] = [name for name, *_ in layout]
         return shares[-1]
 
-    opened: list[tuple[int, int, str, bytes]] = []
+    opened: list[tuple[int, int, bytes]] = []
 
     class Reader:
-        """An engine: its TP worker r opens values[r] of each tensor (SGLang's unwrap)."""
+        """An engine: its TP worker r opens payload r (SGLang's deserialize_own_rank)."""
 
         def __init__(self, index, tp):
             self.index, self.tp = index, tp
@@ -362,11 +365,9 @@ def test_every_cuda_ipc_share_is_opened_by_exactly_one_tp_worker(monkeypatch):
             class _Call:
                 @staticmethod
                 def remote(handle, last):
-                    names = [name for name, *_ in handle.layout]
-                    for name, per_worker in zip(names, handle.serialized):
-                        assert len(per_worker) == outer.tp
-                        for rank in range(outer.tp):
-                            opened.append((outer.index, rank, name, per_worker[rank]))
+                    assert len(handle.serialized) == outer.tp
+                    for rank in range(outer.tp):
+                        opened.append((outer.index, rank, handle.serialized[rank]))
                     return None
 
             self.load_weight_bucket_handle = _Call()
@@ -379,11 +380,11 @@ def test_every_cuda_ipc_share_is_opened_by_exactly_one_tp_worker(monkeypatch):
         iter(buckets), buffers, engines, 60.0, serialize=serialize, readers_per_engine=4
     )
     assert sent[1:] == (6, 3)
-    assert len(shares) == 6 * 2 * 4  # tensors x engines x TP workers: no share nobody opens
+    assert len(shares) == 3 * 2 * 4  # buckets x engines x TP workers: no share nobody opens
     assert sorted(payload for *_, payload in opened) == sorted(shares)  # each opened exactly once
     for engine_index in range(2):
         for rank in range(4):
-            names = [name for e, r, name, _ in opened if (e, r) == (engine_index, rank)]
+            names = [name for e, r, payload in opened if (e, r) == (engine_index, rank) for name in layouts[payload]]
             assert names == [f"t{b}.{i}" for b in range(3) for i in range(2)]
     for buffer in buffers:
         buffer.close()
