@@ -65,12 +65,18 @@ def test_parameter_counts_equal_transformers_for_the_moe_family(tmp_path):
     assert active_parameters(cfg) == count_parameters(cfg) - experts // 2
 
 
-def test_the_shared_scripts_run_a_qwen3_recipe():
-    result = _dry_run("train.sbatch", RECIPE="examples/qwen3_30b_a3b/dapo.yaml", MODEL_DIR="/models/Qwen3-30B-A3B")
+def test_the_shared_scripts_run_a_qwen3_recipe(tmp_path):
+    (tmp_path / "qwen3_30b_a3b_mcore").mkdir()  # convert.sbatch's output for this recipe: train.sbatch loads it
+    result = _dry_run(
+        "train.sbatch",
+        RECIPE="examples/qwen3_30b_a3b/dapo.yaml",
+        MODEL_DIR="/models/Qwen3-30B-A3B",
+        OUTPUT_DIR=str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
     train = [line for line in result.stdout.splitlines() if "dapo-megatron train " in line]
     assert len(train) == 1 and "dapo-megatron train examples/qwen3_30b_a3b/dapo.yaml " in train[0]
-    assert "checkpoint.load_dir=/runs/dapo/qwen3_30b_a3b_mcore" in train[0]
+    assert f"checkpoint.load_dir={tmp_path / 'qwen3_30b_a3b_mcore'}" in train[0]
     plan = [line for line in result.stdout.splitlines() if "dapo-megatron plan" in line]
     assert f"plan {MOE} " in plan[0]
     convert = _dry_run("convert.sbatch", RECIPE="examples/qwen3_32b/dapo.yaml", MODEL_DIR="/models/Qwen3-32B")

@@ -336,7 +336,9 @@ def _dry_run(script, *args, **env):
 
 
 def test_train_dry_run_for_a_two_node_allocation():
-    result = _dry_run("train.sbatch", "rollout.gpu_memory_utilization=0.35")  # 2 nodes: dp 1, no optimizer sharding
+    result = _dry_run(  # 2 nodes: dp 1, no optimizer sharding
+        "train.sbatch", "rollout.gpu_memory_utilization=0.35", MEGATRON_CKPT="/runs/dapo/qwen2_5_32b_mcore"
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     head = [line for line in lines if "ray start --head" in line]
@@ -363,8 +365,16 @@ def test_train_dry_run_for_a_two_node_allocation():
     assert "--rehearse" not in next(line for line in skipped.stdout.splitlines() if "dapo-megatron plan" in line)
     # The layout the dry run would launch is one `plan` accepts (with the shipped model config).
     overrides = train[0].split("dapo.yaml ", 1)[1].replace("\\[", "[").replace("\\]", "]").split()
-    overrides = [o for o in overrides if not o.startswith("model.hf_config=")]
+    overrides = [o for o in overrides if not o.startswith(("model.hf_config=", "model.hf_weights="))]
     assert make_plan(load_config(RECIPE, overrides)).fits
+    # The data files: the recipe's, by name, under DATA_DIR; the tokenizer from MODEL_DIR.
+    for expected in (
+        "data.train_files=\\[/data/dapo-math-17k.parquet\\]",
+        "data.val_files=\\[/data/aime-2024.parquet\\]",
+        "data.tokenizer=/models/Qwen2.5-32B",
+        "model.hf_weights=/models/Qwen2.5-32B",
+    ):
+        assert f" {expected} " in train[0], expected
     # A fresh run: no --resume; the trainer runs in the background so signals reach it.
     assert "--resume" not in train[0] and "scontrol requeue" not in result.stdout
 
@@ -403,7 +413,7 @@ def test_a_requeued_job_resumes_the_run_it_finds(tmp_path):
     assert len(train) == 1 and train[0].endswith(" --resume")
     script = (SCRIPTS / "train.sbatch").read_text()
     assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@1800" in script
-    assert "trap 'forward_to_train USR1' USR1" in script and "(( status == 75 ))" in script
+    assert "trap 'stop_asked USR1' USR1" in script and "(( status == 75 ))" in script
 
 
 def test_with_a_container_every_command_that_needs_the_package_runs_inside_it():
@@ -448,5 +458,85 @@ def test_convert_dry_run_and_missing_settings():
         "dapo-megatron convert hf-to-megatron --hf-dir /models/Qwen2.5-32B --out /runs/dapo/qwen2_5_32b_mcore --verify"
         in (result.stdout)
     )
-    missing = _dry_run("train.sbatch", MODEL_DIR="")
-    assert missing.returncode != 0 and "set MODEL_DIR" in missing.stderr
+    missing = _dry_run("train.sbatch", OUTPUT_DIR="")
+    assert missing.returncode != 0 and "set OUTPUT_DIR" in missing.stderr
+    # Without MODEL_DIR, the recipe's own model: the demo's (runs/demo/base, made by `make demo`).
+    demo = _dry_run("convert.sbatch", RECIPE="examples/demo/demo.yaml", MODEL_DIR="")
+    assert demo.returncode == 0, demo.stderr
+    assert f"--hf-dir {ROOT / 'runs' / 'demo' / 'base'} --out /runs/dapo/demo_mcore" in demo.stdout
+
+
+def _cpu_demo(**env):
+    """The dry run of `sbatch --nodes=1 --gpus-per-node=0 --export=ALL,RECIPE=examples/demo/demo.yaml,...`."""
+    settings = {
+        "RECIPE": "examples/demo/demo.yaml",
+        "SLURM_JOB_NODELIST": "cpu-001",
+        "SLURM_NNODES": "1",
+        "SLURM_GPUS_PER_NODE": "0",
+        "SLURM_CPUS_ON_NODE": "2",
+        "MODEL_DIR": "",
+        "DATA_DIR": "",
+        **env,
+    }
+    result = _dry_run("train.sbatch", **settings)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_a_cpu_recipe_runs_with_its_own_model_data_and_layout(tmp_path):
+    """The demo recipe on one node without GPUs: no MODEL_DIR or DATA_DIR needed (the
+    recipe's model, tokenizer and JSONL data), no converted checkpoint (the trainer
+    converts on load), the recipe's 2 ranks and 1 engine kept (no GPU counts forced on
+    it), and Ray declaring CPUs for them and the driver (max(node CPUs, 2 + 1 + 1)), the
+    wait counting CPUs."""
+    lines = _cpu_demo(OUTPUT_DIR=str(tmp_path))
+    train = next(line for line in lines if "dapo-megatron train" in line)
+    overrides = train.split("examples/demo/demo.yaml ", 1)[1].split()
+    assert overrides == [f"trainer.output_dir={tmp_path}", "parallel.num_nodes=1", "ray.address=cpu-001:6379"]
+    head = next(line for line in lines if "ray start --head" in line)
+    assert "--num-cpus=4 --num-gpus=0" in head
+    assert "get('CPU', 0) >= 4" in next(line for line in lines if "ray.cluster_resources" in line).replace("\\", "")
+    assert "parquet" not in "\n".join(lines)
+    more = _cpu_demo(
+        OUTPUT_DIR=str(tmp_path),
+        SLURM_CPUS_ON_NODE="64",
+        ENGINE_NODES="1",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="cpu-[001-002]",
+    )
+    train = next(line for line in more if "dapo-megatron train" in line)
+    assert "rollout.colocate=false" in train and "rollout.num_engines" not in train
+    assert all("--num-cpus=64 --num-gpus=0" in line for line in more if "ray start" in line)
+
+
+def test_a_converted_checkpoint_is_loaded_only_when_there_is_one(tmp_path):
+    assert not any("checkpoint.load_dir" in line for line in _cpu_demo(OUTPUT_DIR=str(tmp_path)))
+    (tmp_path / "demo_mcore").mkdir()  # convert.sbatch's default output
+    train = next(line for line in _cpu_demo(OUTPUT_DIR=str(tmp_path)) if "dapo-megatron train" in line)
+    assert f"checkpoint.load_dir={tmp_path / 'demo_mcore'}" in train
+    given = _cpu_demo(OUTPUT_DIR=str(tmp_path), MEGATRON_CKPT="/elsewhere/ckpt")
+    assert "checkpoint.load_dir=/elsewhere/ckpt" in next(line for line in given if "dapo-megatron train" in line)
+
+
+def test_model_dir_and_data_dir_keep_the_recipes_file_names(tmp_path):
+    lines = _cpu_demo(OUTPUT_DIR=str(tmp_path), MODEL_DIR="/m", DATA_DIR="/d")
+    train = next(line for line in lines if "dapo-megatron train" in line).replace("\\", "")
+    for expected in ("model.hf_config=/m", "model.hf_weights=/m", "data.tokenizer=/m"):
+        assert expected in train
+    assert "data.train_files=[/d/train.jsonl]" in train and "data.val_files=[/d/val.jsonl]" in train
+
+
+def test_a_gpu_recipe_without_gpus_is_refused():
+    result = _dry_run("train.sbatch", SLURM_GPUS_PER_NODE="0")
+    assert result.returncode == 2 and "runs on GPUs (parallel.device=cuda) but the job has none" in result.stderr
+    # The job's GPUs, as sbatch gives them, set the node's devices.
+    four = _dry_run(
+        "train.sbatch",
+        "rollout.gpu_memory_utilization=0.35",
+        SLURM_GPUS_PER_NODE="h100:4",
+        SLURM_JOB_NODELIST="gpu-[001-004]",
+        SLURM_NNODES="4",
+    )
+    assert four.returncode == 0, four.stderr
+    train = next(line for line in four.stdout.splitlines() if "dapo-megatron train" in line)
+    assert "parallel.num_devices_per_node=4" in train and "rollout.num_engines=4" in train
