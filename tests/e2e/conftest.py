@@ -42,17 +42,22 @@ def _demo_task_with(root: Path, make_config) -> Path:
 _TINY = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A random tiny Qwen2 with the demo's tokenizer, and the demo's addition task."""
+def tiny_qwen2_task(root: Path) -> Path:
+    """A random tiny Qwen2 with the demo's tokenizer, and the demo's addition task, in ``root``."""
     from transformers import Qwen2Config
 
     return _demo_task_with(
-        tmp_path_factory.mktemp("e2e"),
+        root,
         lambda vocab, eos: Qwen2Config(
             vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, eos_token_id=eos, **_TINY
         ),
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A random tiny Qwen2 with the demo's tokenizer, and the demo's addition task."""
+    return tiny_qwen2_task(tmp_path_factory.mktemp("e2e"))
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.conftest import _demo_task_with
+from tests.e2e.conftest import tiny_qwen2_task
 from tests.e2e.test_resume import TIMING_PREFIXES
 from tests.slurm.conftest import Partition
 
@@ -32,22 +32,7 @@ JOB_TIMEOUT_S = 420
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> Path:
     """A random tiny Qwen2 with the demo's tokenizer, and the demo's addition task."""
-    from transformers import Qwen2Config
-
-    return _demo_task_with(
-        tmp_path_factory.mktemp("slurm_task"),
-        lambda vocab, eos: Qwen2Config(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-            eos_token_id=eos,
-        ),
-    )
+    return tiny_qwen2_task(tmp_path_factory.mktemp("slurm_task"))
 
 
 def _overrides(task: Path) -> list[str]:
