@@ -588,9 +588,10 @@ SAVE_GB_PER_S_PER_NODE = 1.0
 """The write rate ``plan`` assumes for a checkpoint's writing nodes, each (a shared file
 system's per-client rate is of this order; a node with a faster one saves sooner)."""
 
-STOP_CLEANUP_S = 30.0
-"""What a stopped run needs after its save, within the job's ``--signal`` lead time: its
-workers stop (each within a bound) and the process exits."""
+STOP_CLEANUP_S = 90.0
+"""What a stopped run may need after its grace, within the job's ``--signal`` lead time:
+the run's own clean-up up to its backstop (60 s, ``step.STOP_BACKSTOP_S``), then
+train.sbatch stops Ray (``RAY_STOP_SECONDS``, 20 s) and requeues."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -123,6 +123,7 @@ class StopRequest:
         self.interrupted: Optional[StartupInterrupted] = None
         self.grace_s = grace_s
         self.out_of_time = False
+        self._saved = False  # the stop's checkpoint is written: the grace no longer interrupts
         self._abortable = False
         self._timers: list[threading.Timer] = []
 
@@ -161,7 +162,7 @@ class StopRequest:
             if self.interrupted is None:
                 self.interrupted = StartupInterrupted(name, signum)
             raise self.interrupted
-        if self.out_of_time:
+        if self.out_of_time and not self._saved:
             self.out_of_time = False  # raised once; the clean-up that follows must run
             raise StopOutOfTime(self.signal_name, self.grace_s)
         if self.signal_name is not None:
@@ -194,13 +195,15 @@ class StopRequest:
         main = threading.main_thread().ident
 
         def out_of_time() -> None:
+            if self._saved:
+                return
             logger.error("trainer.stop_grace_s=%g s have passed since the stop signal: ending the run", self.grace_s)
             self.out_of_time = True
             signal.pthread_kill(main, signal.SIGUSR1)
 
         def backstop() -> None:
-            logger.error("the run's clean-up did not end within %g s: exiting", STOP_BACKSTOP_S)
-            logging.shutdown()
+            # Not through logging: its handlers' locks may be held by the main thread.
+            os.write(2, f"the run's clean-up did not end within {STOP_BACKSTOP_S:g} s: exiting\n".encode())
             os._exit(75)
 
         self._timers = [
@@ -214,11 +217,13 @@ class StopRequest:
     def saved(self) -> None:
         """The stop's checkpoint is written: nothing is interrupted any more (the clean-up
         that follows stays under the backstop)."""
+        self._saved = True
         if self._timers:
             self._timers[0].cancel()
 
     def cancel(self) -> None:
         """The run has ended: the grace clock stops."""
+        self._saved = True
         for timer in self._timers:
             timer.cancel()
 
@@ -491,7 +496,7 @@ class Stepper:
                 raise
         staleness = check_staleness(samples, self.version, step, allowed_staleness(config))
         pending, before_ahead = None, None
-        if self.asynchronous and generate_ahead:
+        if self.asynchronous and generate_ahead and stop.signal_name is None:
             before_ahead = RunState(self.loader.state_dict(), None, None)
             pending = _in_background(self._generate, step + 1)
 
@@ -536,13 +541,17 @@ class Stepper:
         if pending is not None:
             with _timed(times, "wait_for_generation"):
                 try:
-                    with stop.abortable():
+                    # A batch already generated is kept (the checkpoint holds it, and a
+                    # resumed run is exact); only one still generating is abandoned.
+                    with stop.abortable() if not pending.done() else nullcontext():
                         self.ahead = pending.result()
                 except StopNow:
                     # This step is trained; the next one's generation (its prompts drawn
                     # in the background) is abandoned: the checkpoint keeps the data
-                    # position from before it, and a resumed run generates that batch anew.
+                    # position from before it, and a resumed run generates that batch anew,
+                    # with this step's weights (one version newer than an uninterrupted run).
                     self.abandoned = before_ahead
+                    engines.abandon_calls()
                 except Exception as exc:
                     logger.error("step %d: generating step %d's batch failed: %s", step, step + 1, cause_of(exc))
                     self.failed_ahead = GenerationAheadFailed(step + 1, exc)

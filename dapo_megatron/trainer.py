@@ -295,8 +295,10 @@ def train(
                 step_metrics = stepper.step(step, generate_ahead=step < config.trainer.num_steps or bool(due))
             except StopNow:
                 # The step's generation was abandoned: the checkpoint is of the step before,
-                # with the data position from before this one drew its prompts.
-                last_checkpoint = save(stepper.version)
+                # with the data position from before this one drew its prompts (which a
+                # checkpoint of that step, when there is one, already holds: not rewritten).
+                if last_checkpoint is None or Path(last_checkpoint) != checkpoint_dir(save_dir, stepper.version):
+                    last_checkpoint = save(stepper.version)
                 stop.saved()
                 raise Preempted(stop.signal_name, stepper.version, last_checkpoint, abandoned=step) from None
 

@@ -97,7 +97,7 @@ def call_all(
             if not isinstance(failure.__cause__, ray.exceptions.RayActorError) and pending:
                 # A member that raised may only be reacting to a peer that died (a
                 # collective whose connection closed): if one did, name it first.
-                more, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
+                more, _ = _wait(pending, DEATH_GRACE_S, num_returns=len(pending))
                 for other in more:
                     _, died = _outcome(other, names[position[other]] if names else what)
                     if died is not None and isinstance(died.__cause__, ray.exceptions.RayActorError):
@@ -111,12 +111,12 @@ POLL_S = 1.0
 within this many seconds wherever Ray's wait would defer it."""
 
 
-def _wait(pending: list, timeout_s: float) -> tuple[list, list]:
+def _wait(pending: list, timeout_s: float, num_returns: int = 1) -> tuple[list, list]:
     """``ray.wait`` for one of ``pending``. A signal handler's exception raised while Ray's
     C++ wait checks for signals (a stop abandoning a generation: not an ``Exception``)
     comes out of Cython as a SystemError whose cause it is: re-raised as itself."""
     try:
-        return ray.wait(pending, num_returns=1, timeout=timeout_s)
+        return ray.wait(pending, num_returns=num_returns, timeout=timeout_s)
     except SystemError as exc:
         if isinstance(exc.__cause__, BaseException) and not isinstance(exc.__cause__, Exception):
             raise exc.__cause__ from None

@@ -352,6 +352,11 @@ class RolloutWorkers:
         refs = [engine.stream.remote(add, params, max_tokens, abort) for engine, add in zip(self.engines, adds)]
         return self._generation(refs, self.names)
 
+    def abandon_calls(self) -> None:
+        """A generation call another thread waits for is abandoned (a stop): the shutdown
+        does not wait for the engines' answers."""
+        self._abandoned = True
+
     def _generation(self, refs: list, names: list[str]) -> list:
         """The engines' answers to a generation call, each within ``rollout.generate_timeout_s``."""
         try:

@@ -188,11 +188,11 @@ def test_plan_checks_that_a_stop_signal_s_save_fits_the_grace_and_the_job_s_lead
     assert main(["plan", str(RECIPE), "--signal-lead-s", "300"]) == 2
     err = capsys.readouterr().err
     assert (
-        "trainer.stop_grace_s=1740 plus 30 s to stop the workers exceeds the job's --signal lead time of 300 s" in err
+        "trainer.stop_grace_s=1700 plus 90 s to stop the workers exceeds the job's --signal lead time of 300 s" in err
     )
-    assert "set trainer.stop_grace_s at most 270" in err
+    assert "set trainer.stop_grace_s at most 210" in err
     assert main(["plan", str(RECIPE)]) == 0  # without the lead time only the save is checked
-    assert "must fit in trainer.stop_grace_s=1740 s (plan --signal-lead-s checks it" in capsys.readouterr().out
+    assert "must fit in trainer.stop_grace_s=1700 s (plan --signal-lead-s checks it" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
