@@ -168,6 +168,9 @@ class RayCluster:
         self._make_private(temp_dir)
         try:
             ray.init(
+                # A new instance even where `ray start` left one running on this machine
+                # (ray.init alone would join it, with its settings and without ours).
+                address="local",
                 num_cpus=self.num_cpus,
                 num_gpus=None,
                 _temp_dir=str(temp_dir),

@@ -20,7 +20,7 @@ class _Member:
 
 @pytest.fixture(scope="module")
 def one_cpu_cluster(tmp_path_factory):
-    ray.init(num_cpus=1, num_gpus=0, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=1, num_gpus=0, include_dashboard=False, logging_level="ERROR")
     yield
     ray.shutdown()
 

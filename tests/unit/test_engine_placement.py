@@ -118,7 +118,7 @@ def test_colocated_gpu_engines_start_inside_the_actors_reservation(tmp_path):
             "rollout": {"engine": "sglang", "colocate": True, "num_engines": 2, "engine_tp_size": 2},
         }
     )
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, logging_level="ERROR")
     try:
         group = placement_group([{"CPU": 4, "GPU": 4}], strategy="STRICT_PACK")
         ray.get(group.ready(), timeout=60)
