@@ -6,7 +6,7 @@ and `munged`, `slurmctld` and `slurmd` started for the session and stopped by pi
 The config (``SlurmConfig``): the node as `slurmd -C` reports it; `proctrack/cgroup` with
 `task/cgroup` where cgroup v1 is mounted (its freezer hierarchy), else `proctrack/linuxproc`;
 `select/cons_tres`; one partition `main`; settings that shorten the job cycle:
-`AuthInfo=cred_expire=15` (a requeued job may start again after 15 s instead of 120),
+`AuthInfo=cred_expire=5` (a requeued job may start again after 5 s instead of 120),
 `SchedulerParameters=sched_interval=5`, `KillWait=5`, and `MinJobAge=600` so that finished
 jobs stay visible to `scontrol show job` (there is no slurmdbd, hence no `sacct`).
 
@@ -95,7 +95,7 @@ class SlurmConfig:
     preempt_mode: str = "OFF"
     kill_wait: int = 5
     min_job_age: int = 600
-    cred_expire: int = 15
+    cred_expire: int = 5
     sched_interval: int = 5
     extra: tuple[tuple[str, str], ...] = ()
 

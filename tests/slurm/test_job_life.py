@@ -176,21 +176,25 @@ def test_the_time_limit_and_a_signal_during_start_up_requeue_and_resume(slurm, t
     _assert_resumed_equals(run, uninterrupted[0], job, restarts=2)
 
 
-PREEMPTION = dict(
-    partitions=(
-        Partition("low", default=True, priority_tier=1, preempt_mode="REQUEUE", grace_time=60),
-        Partition("high", priority_tier=2),
-    ),
-    preempt_type="preempt/partition_prio",
-    preempt_mode="REQUEUE",
-)
+def _preemption(grace_time: int) -> dict:
+    """Two partitions: jobs of `high` preempt those of `low` (requeued after ``grace_time`` s)."""
+    return dict(
+        partitions=(
+            Partition("low", default=True, priority_tier=1, preempt_mode="REQUEUE", grace_time=grace_time),
+            Partition("high", priority_tier=2),
+        ),
+        preempt_type="preempt/partition_prio",
+        preempt_mode="REQUEUE",
+    )
 
 
 @pytest.mark.parametrize(
     "proctrack",
     [
-        pytest.param("cgroup", marks=pytest.mark.slurm_config(proctrack="cgroup", **PREEMPTION)),
-        pytest.param("linuxproc", marks=pytest.mark.slurm_config(proctrack="linuxproc", **PREEMPTION)),
+        # The trainer saves within the grace time (a few seconds here).
+        pytest.param("cgroup", marks=pytest.mark.slurm_config(proctrack="cgroup", **_preemption(30))),
+        # Ray dies with the preemption's SIGTERM, nothing can be saved: the grace only delays the requeue.
+        pytest.param("linuxproc", marks=pytest.mark.slurm_config(proctrack="linuxproc", **_preemption(10))),
     ],
 )
 def test_a_preemption_requeues_and_resumes(slurm, task, tmp_path, uninterrupted, proctrack):
