@@ -594,6 +594,8 @@ class MegatronActor:
             if routing is not None:
                 routing.micro_batch(next(index), mb.tokens, mb.input_loss_mask, filler=mb.rows.numel() == 0)
             hidden = self._forward(model, self.gpt, mb)
+            if routing is not None:
+                routing.again_in_backward(hidden)
 
             def loss_func(output):
                 log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature)

@@ -13,7 +13,10 @@ Two things megatron's MoE layer leaves to the trainer:
   coefficient times the mean over micro-batches of megatron's per-micro-batch loss (as
   without per-token loss). Filler micro-batches (the padding that keeps replicas in step
   under expert parallelism) get a negligible coefficient and are left out of the mean and
-  of the metrics.
+  of the metrics. Megatron reads the coefficients when a router runs, which under full
+  activation recompute is in the micro-batch's backward: with pipelining (1F1B) that
+  comes after later micro-batches' forwards, so each micro-batch's coefficients are set
+  again when its backward starts (:meth:`RoutingMonitor.again_in_backward`).
 - **Metrics.** Forward hooks on the routers count the tokens each expert receives (the
   max over the mean, per layer) and keep a fingerprint of which experts each of the
   first :data:`SAMPLED_TOKENS` response tokens of a micro-batch went to in the
@@ -102,9 +105,23 @@ class RoutingMonitor:
         if self.sequence_parallel and self.tp_size > 1:
             chunk = valid.shape[0] // self.tp_size
             valid = valid[self.tp_rank * chunk : (self.tp_rank + 1) * chunk]
-        self.current = (index, tokens, valid.reshape(-1).bool(), filler)
+        self._activate((index, tokens, valid.reshape(-1).bool(), filler))
+
+    def _activate(self, current: tuple[int, torch.Tensor, torch.Tensor, bool]) -> None:
+        self.current = current
         for name, value in self.scaled.items():
-            setattr(self.config, name, FILLER_COEFFICIENT if filler and value else value)
+            setattr(self.config, name, FILLER_COEFFICIENT if current[3] and value else value)
+
+    def again_in_backward(self, output: torch.Tensor) -> None:
+        """Make the current micro-batch current again when the backward reaches
+        ``output`` (the model's output for it): under full activation recompute the
+        routers run again there, reading the coefficients and this monitor's state, and
+        with pipelining that backward comes after later micro-batches' forwards (1F1B),
+        which set both for themselves. A hook on the output runs before any of the
+        model's backward, hence before its recompute."""
+        current = self.current
+        if current is not None and output.requires_grad:
+            output.register_hook(lambda grad: self._activate(current))
 
     def _pre_hook(self, router, inputs) -> None:
         # A filler's losses are kept out of megatron's tracker: remember the layer's values.

@@ -103,3 +103,28 @@ def sync_both_ways(workdir: str, family: str, tp_size: int, ep_size: int, dp_siz
                 {"buckets": engine.state_dict(), "pieces": by_pieces.state_dict()},
                 os.path.join(workdir, f"sync_{family}.pt"),
             )
+
+
+ROUTER_PROMPT_LENGTHS = [4, 5, 6, 3, 4, 5] * NUM_MINI_BATCHES
+ROUTER_RESPONSE_LENGTHS = [16, 15, 14, 9, 8, 7] * NUM_MINI_BATCHES
+"""Sequences of 20, 20, 20, 12, 12, 12 tokens per mini-batch: under a budget of 24,
+data-parallel rank 0 gets 20, 20, 12 (three micro-batches) and rank 1 gets 20, 12, 12
+(two: 20 | 12 + 12), so rank 1 runs a filler micro-batch last in each update."""
+
+
+def router_losses_at_pp2(workdir: str, recompute: bool) -> None:
+    """One DAPO step at pp 2 x dp 2 x ep 2 with the load-balancing loss (0.1) and the
+    z-loss (1e-3) on, full activation recompute on or off: each stage's gradients (as the
+    optimizer reads them), metrics and micro-batch shapes in ``router_{recompute}_*.pt``."""
+    from tests.distributed.actor_worker import make_batch
+    from tests.distributed.reference_worker import _step_capturing_gradients
+
+    cfg = actor_config(1, 2, dp_size=2, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
+    set_family(cfg, "qwen3_moe", 2)
+    cfg.model.moe_aux_loss_coeff, cfg.model.moe_z_loss_coeff = 0.1, 1e-3
+    cfg.model.recompute_activations = recompute
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        batch = make_batch(23, ROUTER_RESPONSE_LENGTHS, ROUTER_PROMPT_LENGTHS)
+        batch.tokens %= VOCAB
+        saved = _step_capturing_gradients(cfg, info, workdir, "hf", batch, 2)
+        torch.save(saved, os.path.join(workdir, f"router_{recompute}_pp{info.pp_rank}_dp{info.dp_rank}.pt"))

@@ -137,3 +137,34 @@ def test_routing_metrics_do_not_depend_on_the_layout(moe_run):
         abs(tp2["loss"] - ep2["loss"]) <= 1e-6
         and abs(tp2["grad_norm"] - ep2["grad_norm"]) <= 1e-3 * ep2["grad_norm"]  # the aux loss share (padding)
     )
+
+
+def test_router_losses_under_recompute_at_pp2_equal_those_without(tmp_path):
+    """pp 2 x dp 2 x ep 2, full recompute: 1F1B runs stage 0's backward of micro-batch 1
+    (whose router losses attach in that backward's recompute) after the forward of
+    micro-batch 2, a filler on data-parallel rank 1. The router losses' coefficients must
+    be micro-batch 1's when the recompute reads them: every gradient and the
+    load-balancing metric equal those of the same step without recompute."""
+    model = tiny_hf_model("qwen3_moe", False, seed=SEEDS["qwen3_moe"], attn_implementation="eager")
+    model.save_pretrained(tmp_path / "hf")
+    for recompute in (False, True):
+        launch_local(moe_worker.router_losses_at_pp2, 4, (str(tmp_path), recompute))
+
+    def saved(recompute, pp, dp):
+        return torch.load(tmp_path / f"router_{recompute}_pp{pp}_dp{dp}.pt", weights_only=False)
+
+    # The premise: rank 1's shard packs into fewer micro-batches, padded with a filler.
+    real = [[len([mb for mb in m if mb]) for m in saved(True, 0, dp)["row_lengths"]] for dp in (0, 1)]
+    assert real == [[3, 3], [2, 2]] and [len(m) for m in saved(True, 0, 1)["row_lengths"]] == [3, 3]
+    metrics = saved(False, 1, 0)["metrics"]
+    assert all(m["moe_load_balancing_loss"] > 0 for m in metrics)
+    for got, expected in zip(saved(True, 1, 0)["metrics"], metrics):
+        assert got["moe_load_balancing_loss"] == pytest.approx(expected["moe_load_balancing_loss"], rel=1e-6)
+    for stage in (0, 1):
+        with_recompute, without = saved(True, stage, 0), saved(False, stage, 0)
+        for update, (got, expected) in enumerate(zip(with_recompute["gradients"], without["gradients"])):
+            assert sorted(got) == sorted(expected)
+            assert any("router" in name or "gate.weight" in name for name in expected)
+            for name, value in expected.items():
+                error = (got[name] - value).norm() / value.norm().clamp(min=1e-30)
+                assert error <= 1e-6, (stage, update, name, float(error))
