@@ -11,9 +11,9 @@ fp32), a model of ``--layers`` layers of width ``--hidden``, and a token budget 
 sequences, ``compute_log_probs`` over the batch and one ``train`` step (one update),
 from the same weights (the learning rate is 1e-9). Reported per mode: the median time
 of each phase and its range, the padding share of the tokens the actor runs, and the
-FLOP formula's prediction (``dapo_megatron/bench/flops.py``) for the CPU (the full
-attention square of every row: a block-diagonal mask does not skip the blocks it masks)
-and for a GPU (causal kernels; THD computes only each sequence's own triangle).
+FLOP formula's prediction (``dapo_megatron/bench/flops.py``) for the CPU (megatron's
+local attention computes the full square of each padded row, or of each sequence of a
+packed row) and for a GPU (causal kernels: each row's or sequence's own triangle).
 """
 
 from __future__ import annotations
@@ -110,7 +110,9 @@ def predictions(cfg, actor, batch) -> dict:
     rows = [mb.tokens.shape[1] for mb in micro for _ in range(mb.tokens.shape[0])]
     sequences = batch.seq_lengths.tolist()
     return {
-        "cpu_flops": train_flops(shape, rows, logits, causal=False),
+        # Both specs attend per sequence when packed (padded: per row); megatron's local
+        # attention computes each square whole, causal kernels only its triangle.
+        "cpu_flops": train_flops(shape, sequences if cfg.trainer.pack_sequences else rows, logits, causal=False),
         "gpu_flops": train_flops(shape, sequences if cfg.trainer.pack_sequences else rows, logits, causal=True),
         "micro_batches": len(micro),
     }

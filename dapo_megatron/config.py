@@ -295,10 +295,11 @@ class TrainerConfig:
     pack_sequences: bool = True
     """Pack several sequences (prompt + response) into one row of up to
     ``micro_batch_max_tokens`` tokens, each attending only to itself and its positions
-    restarting at 0 (a block-diagonal causal mask on the CPU, Transformer Engine's THD
-    format on a GPU), for both the log-prob pass and the updates; false: one sequence per
-    row, rows padded to the longest. The log-probs and gradients are the same either way
-    (within float rounding); packing removes most of the padding the actor computes
+    restarting at 0 (megatron's THD format: its local attention run per sequence on the
+    CPU, Transformer Engine's THD attention on a GPU), for both the log-prob pass and the
+    updates; false: one sequence per row, rows padded to the longest. The log-probs and
+    gradients are the same either way (within float rounding); packing removes most of
+    the padding the actor computes
     (``actor/padding_share`` beside ``actor/padding_share_unpacked``)."""
     lr: float = 1e-6
     """Peak learning rate of Adam."""

@@ -10,7 +10,9 @@ in the two phases of a colocated DAPO step:
   micro-batch token budget (1F1B keeps ``pp_size`` micro-batches in flight on the first
   stage; per token and layer ``h * (10 + 24 / tp)`` bytes, ``h * 34 / tp`` with sequence
   parallelism, ``2h`` (``2h / tp``) with full recomputation; flash attention assumed, so
-  no ``s^2`` term) + the chunked log-prob buffers + a fixed framework overhead;
+  no ``s^2`` term, except under megatron's local attention, which builds each sequence's
+  score square: :func:`local_attention_bytes`) + the chunked log-prob buffers + a fixed
+  framework overhead;
 - **rollout**: the actor's weights, gradients and optimizer state stay resident, and
   SGLang takes ``gpu_memory_utilization`` of the GPU for its weights and KV cache (the
   transformers engine, ``rollout.engine=hf``, instead holds fp32 weights and a KV cache
@@ -180,6 +182,27 @@ def moe_activation_bytes(config: Config, tokens: int, layers: int, dtype_bytes: 
     local = tokens / (p.tp_size if p.sequence_parallel else 1)
     per_token = m.moe_router_topk * (2 * m.hidden_size + 3 * m.moe_ffn_hidden_size) * dtype_bytes + 4 * m.num_experts
     return int(layers * local * per_token * p.pp_size)
+
+
+def local_attention_bytes(config: Config, layers: int, dtype_bytes: float) -> tuple[int, int]:
+    """What megatron's local attention (the CPU, or ``model.transformer_impl=local``) adds
+    to the flash-attention formula, without and with full recompute: each segment of a
+    micro-batch (a packed row's sequence, or a padded row) gets its ``[heads / tp, L, L]``
+    scores, whose softmax is kept for backward. With segments of at most ``S`` tokens
+    (``rollout.max_prompt_length + rollout.max_response_length``, at most the budget ``T``)
+    their squares add up to at most ``T * S`` per layer: kept for every layer of the
+    micro-batches in flight without recompute, for one layer at a time with it; plus the
+    scores buffer megatron keeps (the largest square). 0 where Transformer Engine's
+    flash attention runs (a GPU with ``transformer_impl`` auto or transformer_engine)."""
+    m, p = config.model, config.parallel
+    if p.device != "cpu" and m.transformer_impl != "local":
+        return 0, 0
+    tokens = config.trainer.micro_batch_max_tokens
+    longest = min(config.rollout.max_prompt_length + config.rollout.max_response_length, tokens)
+    heads = m.num_attention_heads / p.tp_size
+    per_layer = heads * tokens * longest * dtype_bytes
+    buffer = heads * longest * longest * dtype_bytes
+    return int(per_layer * layers * p.pp_size + buffer), int(per_layer + buffer)
 
 
 def parameter_bytes(config: Config) -> int:
@@ -439,6 +462,9 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     # The MoE layers' share of the heaviest stage (all of them but mlp_only_layers).
     moe_share = sum(moe_layers(m)) / m.num_layers
     activations_no_recompute += moe_activation_bytes(config, tokens, round(layers * moe_share), param_bytes)
+    squares_no_recompute, squares_recompute = local_attention_bytes(config, layers, param_bytes)
+    activations_no_recompute += squares_no_recompute
+    activations_recompute += squares_recompute
     vocab_shard = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size) // p.tp_size
     chunk_tokens = min(tokens, max(16, LOGPROB_CHUNK_BYTES // (4 * vocab_shard)))
     logprob = 2 * chunk_tokens * vocab_shard * 4 + tokens * h * param_bytes

@@ -31,7 +31,7 @@ from dapo_megatron.actor.batch import PolicyBatch, plan_micro_batches
 from dapo_megatron.actor.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from dapo_megatron.algo.loss import dapo_policy_loss
 from dapo_megatron.config import AlgorithmConfig, ModelConfig, ParallelConfig, TrainerConfig, padded_vocab_size
-from dapo_megatron.models.gpt import build_model, output_weight, params_dtype, use_transformer_engine
+from dapo_megatron.models.gpt import build_model, output_weight, params_dtype
 from dapo_megatron.runtime.distributed import RuntimeInfo
 from dapo_megatron.sequence_pad import round_up, sequence_pad_multiple
 
@@ -71,8 +71,7 @@ class _MicroBatch:
     token_weights: Optional[torch.Tensor] = None  # [n, W] the rollout correction's, or None
     ref_log_probs: Optional[torch.Tensor] = None  # [n, W] the reference policy's (KL penalty), or None
     token_loss_mask: Optional[torch.Tensor] = None  # [b, L] the loss tokens on the token grid (packed only)
-    attention_mask: Optional[torch.Tensor] = None  # [b, 1, L, L] True = masked (packed, local spec)
-    packed_seq_params: object = None  # megatron's PackedSeqParams (packed, Transformer Engine)
+    packed_seq_params: object = None  # megatron's PackedSeqParams of a packed row (THD), or None
 
     @property
     def input_loss_mask(self) -> torch.Tensor:
@@ -110,7 +109,6 @@ class MegatronActor:
         self.runtime = runtime
         self.device = runtime.device
         self.gpt = build_model(model, parallel, self.device.type, output_logits=False)
-        self.use_te = use_transformer_engine(model, self.device.type)
         dtype = params_dtype(model, self.device.type)
         self.ddp = DistributedDataParallel(
             self.gpt.config,
@@ -192,10 +190,7 @@ class MegatronActor:
     def _mixed_precision(self, gpt):
         """``gpt`` as the schedule runs it: under megatron's ``Float16Module`` when its
         parameters are bf16 (bf16 weights and activations, hidden states handed back in
-        fp32 by the last stage), as megatron's own training wraps it; as it is in fp32.
-        With packed sequences, its RoPE is taken at the position ids (``actor/packing.py``)."""
-        if self.trainer.pack_sequences and not self.use_te:
-            packing.rope_at_position_ids(gpt)
+        fp32 by the last stage), as megatron's own training wraps it; as it is in fp32."""
         if gpt.config.bf16:
             from megatron.core.transformer.module import Float16Module
 
@@ -249,18 +244,12 @@ class MegatronActor:
                 tokens[0, start : start + lengths[i]] = batch.tokens[i, : lengths[i]]
                 token_loss_mask[0, start : start + lengths[i]] = mask[i, : lengths[i]]
                 start += lengths[i]
-            attention_mask = params = None
-            if self.use_te:
-                params = packing.packed_seq_params(segments, self.device)
-            else:
-                attention_mask = packing.block_causal_mask(segments).to(self.device)
             micro.append(
                 _MicroBatch(
                     tokens=tokens.to(self.device),
                     position_ids=packing.segment_position_ids(segments)[None].to(self.device),
                     token_loss_mask=token_loss_mask.to(self.device),
-                    attention_mask=attention_mask,
-                    packed_seq_params=params,
+                    packed_seq_params=packing.packed_seq_params(segments, self.device),
                     **self._sequence_grids(batch, mask, index, max(lengths[i] for i in rows)),
                 )
             )
@@ -288,12 +277,11 @@ class MegatronActor:
             "ref_log_probs": grid(batch.ref_log_probs),
         }
 
-    def _forward(self, model, gpt, mb: _MicroBatch) -> torch.Tensor:
+    def _forward(self, model, mb: _MicroBatch) -> torch.Tensor:
         """``model`` (the wrapped ``gpt``) on ``mb``'s tokens: hidden states ``[b, L, h]``."""
         if mb.packed_seq_params is not None:
             return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
-        packing.set_rope_positions(gpt, mb.position_ids if mb.token_loss_mask is not None else None)
-        return model(mb.tokens, mb.position_ids, mb.attention_mask)
+        return model(mb.tokens, mb.position_ids, None)
 
     def _update_micro_batches(self, batch: PolicyBatch, num_mini_batches: int) -> list[list[_MicroBatch]]:
         """The micro-batches of each of ``batch``'s ``num_mini_batches`` mini-batches, with
@@ -434,7 +422,7 @@ class MegatronActor:
             mb = next(data_iterator)
             if routing is not None:
                 routing.micro_batch(next(index), mb.tokens, mb.input_loss_mask, filler=mb.rows.numel() == 0)
-            hidden = self._forward(model, gpt if gpt is not None else self.gpt, mb)
+            hidden = self._forward(model, mb)
 
             def loss_func(output):
                 log_probs, entropy = self._log_probs_and_entropy(output, mb, temperature, gpt)
@@ -593,7 +581,7 @@ class MegatronActor:
             mb = next(data_iterator)
             if routing is not None:
                 routing.micro_batch(next(index), mb.tokens, mb.input_loss_mask, filler=mb.rows.numel() == 0)
-            hidden = self._forward(model, self.gpt, mb)
+            hidden = self._forward(model, mb)
             if routing is not None:
                 routing.again_in_backward(hidden)
 

@@ -12,18 +12,15 @@ every segment, so that each sequence sees what it sees alone in a row. (RoPE is
 relative: inside its own segment a sequence would attend the same in exact arithmetic
 at any offset. The restart makes it the same in floating point too: each token gets the
 very angles it has alone, not those of a far position, whose cos/sin carry less
-precision. The mask is what the equality tests check; the angles are checked directly.)
+precision. The equality tests check both: packed = padded rows, and the float64 reference.)
 
-- Megatron's local spec (the CPU): the attention mask argument carries a block-diagonal
-  causal mask (:func:`block_causal_mask`, True = masked; megatron's softmax uses it
-  instead of its own causal mask). Megatron's RoPE for this layout applies the angle of
-  a token's column, not of its position id, so :func:`rope_at_position_ids` makes it take
-  the angles at the position ids instead: the same angles a sequence has alone in a row.
-  Each row still computes its full ``width x width`` attention square (the mask zeroes
-  the cross-sequence part); what packing saves on the CPU is the linear layers' padding.
-- Transformer Engine (a GPU): the THD format, megatron's own path for packed sequences:
-  :func:`packed_seq_params` gives ``cu_seqlens`` of the segments; megatron applies RoPE
-  per sequence and TE's attention computes only the blocks on the diagonal.
+- Both specs take the row in megatron's THD format: :func:`packed_seq_params` gives the
+  ``cu_seqlens`` of its segments, megatron applies RoPE per segment (each from position
+  0), and the attention runs per segment: Transformer Engine's on a GPU, and on the
+  local spec (the CPU) megatron's own ``DotProductAttention`` called on each segment
+  (``models/gpt.py``: ``segment_attention_class``). No ``width x width`` square is ever
+  built: attention's work and memory grow with the sum of the segments' squares, as
+  with padded rows, while the linear layers skip the padding.
 
 The loss side never sees the packed row: log-probs are computed at the loss tokens of
 the row and scattered into the micro-batch's per-sequence grid (one sequence per row), in
@@ -78,17 +75,8 @@ def segment_position_ids(segments: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(length) for length in segments])
 
 
-def block_causal_mask(segments: list[int]) -> torch.Tensor:
-    """``[1, 1, width, width]`` boolean attention mask, True where attention is *not*
-    allowed: a token attends to itself and the earlier tokens of its own segment only."""
-    owner = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(segments))
-    column = torch.arange(owner.numel())
-    allowed = (owner[:, None] == owner[None, :]) & (column[:, None] >= column[None, :])
-    return (~allowed)[None, None]
-
-
 def packed_seq_params(segments: list[int], device: torch.device | str):
-    """megatron's ``PackedSeqParams`` for a THD row of ``segments`` (Transformer Engine):
+    """megatron's ``PackedSeqParams`` for a THD row of ``segments`` (either spec):
     cumulative sequence lengths, the same for queries and keys (self-attention)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -99,38 +87,3 @@ def packed_seq_params(segments: list[int], device: torch.device | str):
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
-
-
-def rope_at_position_ids(gpt) -> None:
-    """Make ``gpt``'s rotary embedding take its angles at the position ids given to
-    :func:`set_rope_positions` (``[b, s]``) instead of at each token's column.
-
-    megatron's ``RotaryEmbedding`` returns ``[s, 1, 1, dim]`` angles for columns
-    ``0..s-1``, and its BSHD/SBHD application broadcasts them over the batch. Gathered at
-    the position ids, they become ``[s, b, 1, dim]``, which the same application
-    broadcasts over the heads: each token gets the angle of its position, computed by
-    megatron's own code for that position. With no position ids set the embedding is
-    megatron's, unchanged. Idempotent.
-    """
-    rotary = getattr(gpt, "rotary_pos_emb", None)
-    if rotary is None or hasattr(rotary, "packed_position_ids"):
-        return
-    by_column = rotary.forward
-    rotary.packed_position_ids = None
-
-    def forward(max_seq_len, *args, **kwargs):
-        angles = by_column(max_seq_len, *args, **kwargs)
-        positions = rotary.packed_position_ids
-        if positions is None:
-            return angles
-        return angles[:, 0, 0][positions.t()].unsqueeze(2)
-
-    rotary.forward = forward
-
-
-def set_rope_positions(gpt, position_ids: torch.Tensor | None) -> None:
-    """The position ids (``[b, s]``) the next forward of ``gpt`` takes RoPE angles at;
-    None: by column, megatron's default."""
-    rotary = getattr(gpt, "rotary_pos_emb", None)
-    if rotary is not None and hasattr(rotary, "packed_position_ids"):
-        rotary.packed_position_ids = position_ids

@@ -14,6 +14,8 @@ megatron expects.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -210,25 +212,76 @@ class LocalRMSNorm:
         return norm
 
 
-def _with_local_norms(spec):
-    """``spec`` (a ModuleSpec tree) with every ``WrappedTorchNorm`` replaced by :class:`LocalRMSNorm`."""
+@functools.cache
+def segment_attention_class():
+    """megatron's local ``DotProductAttention``, made to take packed rows (THD, as
+    Transformer Engine's attention does): given ``packed_seq_params``, the queries, keys
+    and values ``[t, heads, dim]`` of a row are cut at ``cu_seqlens`` and each segment
+    attends causally to itself alone, through megatron's own code (the segments of one
+    length together, as one batch: a row of many short sequences makes few calls).
+
+    megatron's local attention accepts no packed rows; a block-diagonal mask over the
+    whole row would compute a ``heads x W x W`` score square for a row of ``W`` tokens
+    (4 GiB per head at a 32k budget), most of it masked. Per segment, the work and the
+    memory grow with the sum of the segments' squares, as padded rows' do. A class built
+    on first use: megatron is imported lazily."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SegmentDotProductAttention(DotProductAttention):
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+            if self.attn_mask_type != AttnMaskType.causal:
+                raise ValueError(f"packed rows need causal attention, not {self.attn_mask_type}")
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            by_length: dict[int, list[int]] = {}
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                if end > start:
+                    by_length.setdefault(end - start, []).append(start)
+            parts, order = [], []
+            for length, starts in by_length.items():
+                # The segments of one length side by side as a batch: [L, n, heads, dim]
+                # in, [L, n, heads * dim] out. With no mask, megatron's softmax applies its
+                # causal one.
+                index = (torch.tensor(starts)[None, :] + torch.arange(length)[:, None]).to(query.device)
+                out = super().forward(query[index], key[index], value[index], None)
+                parts.append(out.reshape(length * len(starts), 1, -1))
+                order.append(index.reshape(-1))
+            # Back to the row's token order: [t, 1, heads * dim].
+            inverse = torch.empty_like(torch.cat(order))
+            inverse[torch.cat(order)] = torch.arange(inverse.numel(), device=inverse.device)
+            return torch.cat(parts, dim=0)[inverse]
+
+    return SegmentDotProductAttention
+
+
+def _with_local_modules(spec):
+    """``spec`` (a ModuleSpec tree) with every ``WrappedTorchNorm`` replaced by
+    :class:`LocalRMSNorm` and megatron's ``DotProductAttention`` by the one that also
+    takes packed rows (:func:`segment_attention_class`)."""
     import dataclasses
 
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if spec is WrappedTorchNorm:
         return LocalRMSNorm
+    if spec is DotProductAttention:
+        return segment_attention_class()
     if isinstance(spec, ModuleSpec):
-        spec = dataclasses.replace(spec, module=_with_local_norms(spec.module))
+        spec = dataclasses.replace(spec, module=_with_local_modules(spec.module))
         if spec.submodules is not None:
-            spec.submodules = _with_local_norms(spec.submodules)
+            spec.submodules = _with_local_modules(spec.submodules)
         return spec
     if isinstance(spec, list):
-        return [_with_local_norms(item) for item in spec]
+        return [_with_local_modules(item) for item in spec]
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         return dataclasses.replace(
-            spec, **{f.name: _with_local_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+            spec, **{f.name: _with_local_modules(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
         )
     return spec
 
@@ -316,13 +369,13 @@ def build_model(
             config, use_transformer_engine(model, device_type), normalization="RMSNorm"
         )
         if not use_transformer_engine(model, device_type):
-            layer_spec = _with_local_norms(layer_spec)
+            layer_spec = _with_local_modules(layer_spec)
     elif use_transformer_engine(model, device_type):
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **experts)
     else:
         # Sequential experts (one MLP each, no grouped GEMM) on the CPU.
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm", **experts)
-        layer_spec = _with_local_norms(layer_spec)
+        layer_spec = _with_local_modules(layer_spec)
     if config.num_moe_experts:
         layer_spec = with_moe_norm_keys(layer_spec)
     if pre_process is None:
@@ -332,7 +385,7 @@ def build_model(
     # The block's final norm is its module-level LayerNormImpl (the local one: torch's).
     final_norm = transformer_block.LayerNormImpl
     if not use_transformer_engine(model, device_type):
-        transformer_block.LayerNormImpl = _with_local_norms(final_norm)
+        transformer_block.LayerNormImpl = _with_local_modules(final_norm)
     try:
         gpt = _gpt_model(GPTModel, config, layer_spec, model, parallel, pre_process, post_process)
     finally:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dapo_megatron.actor.batch import data_parallel_rows, shard_for_data_parallel
 from dapo_megatron.actor.checkpoint import load_hf_model_weights, load_reference_weights
 from dapo_megatron.actor.megatron_actor import MegatronActor
+from dapo_megatron.actor.packing import packed_seq_params
 from dapo_megatron.actor.weight_sync import iter_hf_tensors
 from dapo_megatron.runtime.distributed import megatron_runtime
 from tests.distributed.actor_worker import actor_config, make_batch, set_family
@@ -208,34 +209,59 @@ def packed_batch():
     return batch
 
 
-def packed_and_unpacked_steps(workdir: str, tp_size: int, pp_size: int, dp_size: int, leaky: bool = False) -> None:
+def packed_and_unpacked_steps(
+    workdir: str,
+    tp_size: int,
+    pp_size: int,
+    dp_size: int,
+    leaky: bool = False,
+    device: str = "cpu",
+    transformer_impl: str = "local",
+    params_dtype: str = "float32",
+) -> None:
     """The same rollout step twice from the same weights, with padded rows and with packed
-    sequences; with ``leaky``, packed under a mask that also lets each sequence attend to
-    the one before it in its row (a negative control)."""
+    sequences; with ``leaky``, packed with segments that also let each second sequence
+    attend to the one before it in its row (a negative control). ``device``,
+    ``transformer_impl`` and ``params_dtype``: the actor's (tests/gpu runs them on CUDA)."""
     from dapo_megatron.actor import packing
 
     cfg = actor_config(tp_size, pp_size, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
     cfg.parallel.use_distributed_optimizer = True
+    cfg.parallel.device = device
+    cfg.model.transformer_impl, cfg.model.params_dtype = transformer_impl, params_dtype
     if leaky:
-        packing.block_causal_mask = _leaky_block_causal_mask
+        packing.packed_seq_params = _leaky_packed_seq_params
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
         for pack in (False, True):
             cfg.trainer.pack_sequences = pack
             batch = packed_batch()
+            scores = _attention_score_buffers()
+            scores.clear()
             saved = _step_capturing_gradients(cfg, info, workdir, "hf_tied0", batch, dp_size)
+            # The largest attention-score tensor the step built ([b * heads, sq, sk]).
+            saved["attention_scores_numel"] = max((t.numel() for t in scores.values()), default=0)
             if info.dp_rank == 0 and info.tp_rank == 0:
                 torch.save(saved, os.path.join(workdir, f"pack{int(pack)}_stage{info.pp_rank}.pt"))
             if info.rank == 0:
                 torch.save(batch, os.path.join(workdir, f"pack{int(pack)}_batch.pt"))
 
 
-def _leaky_block_causal_mask(segments: list[int]) -> torch.Tensor:
-    """The block-diagonal causal mask, except that each segment may also attend to the
-    whole segment before it."""
-    owner = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(segments))
-    column = torch.arange(owner.numel())
-    near = (owner[:, None] == owner[None, :]) | (owner[:, None] == owner[None, :] + 1)
-    return (~(near & (column[:, None] >= column[None, :])))[None, None]
+def _attention_score_buffers() -> dict:
+    """megatron's global memory buffers, where its local attention takes each score tensor
+    (grown to the largest asked for)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_global_memory_buffer().buffer
+
+
+_PACKED_SEQ_PARAMS = packed_seq_params
+
+
+def _leaky_packed_seq_params(segments: list[int], device):
+    """THD parameters with the row's segments merged two by two: each second sequence
+    also attends to the one before it (and takes its RoPE positions after it's)."""
+    merged = [sum(segments[i : i + 2]) for i in range(0, len(segments), 2)]
+    return _PACKED_SEQ_PARAMS(merged, device)
 
 
 def moe_log_probs_of_controls(workdir: str, ep_size: int) -> None:

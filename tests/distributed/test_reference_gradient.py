@@ -268,6 +268,12 @@ def test_packed_sequences_equal_padded_rows_and_the_float64_reference(tmp_path, 
     if dp_size == 1:
         assert [13, 11] in rows, rows  # exactly the budget of 24: the last sequence ends at the row's end
     assert all(sum(mb) <= 24 for mb in rows)
+    # Attention per segment: the largest score tensor is [heads, longest sequence, its
+    # length] (no square as wide as a packed row, whose width reaches 24).
+    longest = max(max(mb) for mb in rows)
+    assert longest < max(sum(mb) for mb in rows) or dp_size > 1  # (data-parallel rank 0: [20], [9], [13, 7])
+    for stage in runs[1]:
+        assert stage["attention_scores_numel"] == (4 // tp_size) * longest**2
     batches = {pack: torch.load(tmp_path / f"pack{pack}_batch.pt", weights_only=False) for pack in (0, 1)}
     mask = batches[0].response_mask().bool()
     assert float((batches[1].old_log_probs - batches[0].old_log_probs)[mask].abs().max()) <= PACKED_TOLERANCE
@@ -280,8 +286,8 @@ def test_packed_sequences_equal_padded_rows_and_the_float64_reference(tmp_path, 
 
 
 def test_packed_sequences_that_see_their_neighbour_are_far_from_padded_rows(tmp_path):
-    """The packed test can fail: under a mask that lets each sequence of a row also attend
-    to the one before it, the old log-probs are more than 1e-3 from the padded rows'."""
+    """The packed test can fail: with segments that let each second sequence of a row also
+    attend to the one before it, the old log-probs are more than 1e-3 from the padded rows'."""
     model = tiny_hf_model("qwen2", False, seed=SEEDS["qwen2"], attn_implementation="eager")
     _randomize_biases(model)
     model.save_pretrained(tmp_path / "hf_tied0")

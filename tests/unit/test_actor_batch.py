@@ -136,24 +136,18 @@ def test_packed_rows_are_filled_first_fit_by_decreasing_length():
 
 
 def test_a_packed_row_attends_within_each_sequence_and_restarts_positions():
-    from dapo_megatron.actor.packing import block_causal_mask, segment_position_ids, segments_of
+    from dapo_megatron.actor.packing import segment_position_ids, segments_of
 
     segments = segments_of([3, 2], 7)
     assert segments == [3, 2, 2]  # the padding tail is a segment of its own
     assert segment_position_ids(segments).tolist() == [0, 1, 2, 0, 1, 0, 1]
-    allowed = ~block_causal_mask(segments)[0, 0]
-    assert allowed.shape == (7, 7)
-    expected = torch.zeros(7, 7, dtype=torch.bool)
-    for start, length in ((0, 3), (3, 2), (5, 2)):
-        expected[start : start + length, start : start + length] = torch.tril(torch.ones(length, length)).bool()
-    assert torch.equal(allowed, expected)
     assert segments_of([4, 3], 7) == [4, 3]  # a row filled exactly: no padding segment
     with pytest.raises(ValueError, match="do not fit a row of 6"):
         segments_of([4, 3], 6)
 
 
 def test_thd_parameters_carry_the_cumulative_lengths_of_the_segments():
-    """Transformer Engine's packed path (a GPU): megatron's PackedSeqParams in THD format,
+    """The packed path of both specs: megatron's PackedSeqParams in THD format,
     cu_seqlens of every segment (the padding tail included) as int32, for queries and keys."""
     from dapo_megatron.actor.packing import packed_seq_params
 
@@ -161,36 +155,3 @@ def test_thd_parameters_carry_the_cumulative_lengths_of_the_segments():
     assert params.qkv_format == "thd"
     assert params.cu_seqlens_q.dtype == torch.int32 and params.cu_seqlens_q.tolist() == [0, 3, 5, 7]
     assert params.cu_seqlens_kv.tolist() == [0, 3, 5, 7] and params.max_seqlen_q == params.max_seqlen_kv == 3
-
-
-def test_rope_at_position_ids_gives_each_token_the_angle_of_its_position():
-    """megatron's RotaryEmbedding, patched: angles gathered at the position ids ([s, b, 1, d])
-    equal the unpatched angles of those positions; without position ids it is unchanged."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    from dapo_megatron.actor.packing import rope_at_position_ids, set_rope_positions
-    from dapo_megatron.runtime import cpu_compat
-
-    class Holder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.rotary_pos_emb = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
-
-    cpu_compat.enable_cpu_runtime()  # megatron moves the frequencies to 'cuda'
-    try:
-        holder = Holder()
-        plain = holder.rotary_pos_emb(6).clone()  # [6, 1, 1, 8]
-        rope_at_position_ids(holder)
-        rope_at_position_ids(holder)  # idempotent
-        assert torch.equal(holder.rotary_pos_emb(6), plain)
-        positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
-        set_rope_positions(holder, positions)
-        angles = holder.rotary_pos_emb(6)
-        assert angles.shape == (6, 2, 1, 8)
-        for b in range(2):
-            for s in range(6):
-                assert torch.equal(angles[s, b, 0], plain[positions[b, s], 0, 0])
-        set_rope_positions(holder, None)
-        assert torch.equal(holder.rotary_pos_emb(6), plain)
-    finally:
-        cpu_compat.disable_cpu_runtime()

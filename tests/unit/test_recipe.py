@@ -228,7 +228,10 @@ def test_the_cpu_example_validates_and_plans_without_overrides(capsys):
     mem = plan.memory
     assert plan.num_parameters == mem.parameters == params == 740_992
     assert (mem.weights, mem.gradients, mem.optimizer) == (4 * params, 4 * params, 8 * params // 2)
-    assert mem.activations == 3 * 2048 * 128 * 34 * 2  # h * (10 + 24/tp) bytes in bf16, doubled in fp32
+    # h * (10 + 24/tp) bytes in bf16, doubled in fp32; and the local attention's softmax of
+    # 4 heads over sequences of at most 8 + 6 tokens, 2048 of them per layer, plus the
+    # scores buffer.
+    assert mem.activations == 3 * 2048 * 128 * 34 * 2 + 3 * 4 * 2048 * 14 * 4 + 4 * 14 * 14 * 4
     # The engine: fp32 weights, and keys and values (3 layers x 2 groups x 32 dims, fp32) for
     # 32 prompts x 8 samples at the full 8 + 6 tokens.
     assert mem.hf_engine_weights == 4 * params
@@ -540,3 +543,24 @@ def test_a_gpu_recipe_without_gpus_is_refused():
     assert four.returncode == 0, four.stderr
     train = next(line for line in four.stdout.splitlines() if "dapo-megatron train" in line)
     assert "parallel.num_devices_per_node=4" in train and "rollout.num_engines=4" in train
+
+
+def test_plan_counts_the_score_squares_of_megatron_s_local_attention():
+    """Flash attention (Transformer Engine, the recipe's GPU default) keeps no score
+    square; megatron's local attention keeps each sequence's ``[heads / tp, L, L]`` softmax
+    for backward: at most budget x longest sequence per layer, for every layer in flight
+    without recompute and one layer with it, plus megatron's scores buffer."""
+    flash = estimate_memory(load_config(RECIPE))
+    local = estimate_memory(load_config(RECIPE, ["model.transformer_impl=local"]))
+    cfg = load_config(RECIPE)
+    m, p, t, r = cfg.model, cfg.parallel, cfg.trainer, cfg.rollout
+    longest = min(r.max_prompt_length + r.max_response_length, t.micro_batch_max_tokens)
+    heads = m.num_attention_heads / p.tp_size
+    per_layer = heads * t.micro_batch_max_tokens * longest * 2
+    buffer = heads * longest * longest * 2
+    layers = m.num_layers // p.pp_size  # 64 / 2, the heaviest stage
+    assert local.activations_recompute - flash.activations_recompute == int(per_layer + buffer)
+    assert local.activations_no_recompute - flash.activations_no_recompute == int(
+        per_layer * layers * p.pp_size + buffer
+    )
+    assert local.activations_recompute - flash.activations_recompute > 5 * GIB  # 40 / 8 heads, 32k x 22.5k tokens
