@@ -61,7 +61,12 @@ job_log_dir() {
 
 # SRUN=(srun on one node ... "$@"), its output to the file LOG ("-": to srun's own output),
 # inside the container when CONTAINER_IMAGE is set (pyxis), in REPO_DIR (which the
-# container mounts, with MODEL_DIR, DATA_DIR and OUTPUT_DIR where they are set).
+# container mounts, with MODEL_DIR, DATA_DIR and OUTPUT_DIR where they are set, or
+# CONTAINER_MOUNTS instead of all four; and RAY_TEMP_MOUNT, when set, in any case).
+# RAY_TEMP_MOUNT: Ray's temp dir, a host folder on each node that train.sbatch has made
+# there: every step of a job gets a container of its own, with a /tmp of its own, and the
+# raylet's sockets must be reachable from the steps of its `ray start`, of the wait for
+# the cluster and of the trainer alike.
 # shellcheck disable=SC2034  # SRUN is read by the sourcing script
 srun_on() {
   local node="$1" log="$2"
@@ -73,8 +78,9 @@ srun_on() {
     for folder in "${MODEL_DIR:-}" "${DATA_DIR:-}" "${OUTPUT_DIR:-}"; do
       if [[ -n "$folder" ]]; then mounts+=",$folder"; fi
     done
-    container=(--container-image="$CONTAINER_IMAGE" --container-mounts="${CONTAINER_MOUNTS:-$mounts}"
-      --container-workdir="$REPO_DIR")
+    mounts="${CONTAINER_MOUNTS:-$mounts}"
+    if [[ -n "${RAY_TEMP_MOUNT:-}" ]]; then mounts+=",$RAY_TEMP_MOUNT"; fi
+    container=(--container-image="$CONTAINER_IMAGE" --container-mounts="$mounts" --container-workdir="$REPO_DIR")
   fi
   if [[ "$log" != - ]]; then
     output=(--output="$log")

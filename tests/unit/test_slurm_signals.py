@@ -15,16 +15,21 @@ What the stand-ins do is what Slurm 22.05 was seen to do on a real one-node clus
   and to the batch shell; srun can no longer cancel its step, whose processes stay until
   SIGKILL at the end of KillWait (30 s by default);
 - srun truncates its --output file unless --open-mode=append, passes USR1 to its task and
-  turns a SIGTERM into SIGKILL for its step (while the job runs)."""
+  turns a SIGTERM into SIGKILL for its step (while the job runs);
+- with pyxis (CONTAINER_IMAGE), enroot runs each step in a container of its own, whose
+  /tmp is a fresh tmpfs: here a mount namespace of the step's own (needs root)."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,34 +43,51 @@ SCRIPT = ROOT / "examples" / "qwen2_5_32b" / "train.sbatch"
 # the task's pid is recorded for the tests to signal as slurmd would, srun's own pid too.
 # USR1 is forwarded as-is and TERM as SIGKILL to the whole step, except once the job is
 # COMPLETING (requeued or cancelled): SLURM then refuses to cancel the step, whose
-# processes stay until KillWait's SIGKILL. The wait for Ray's devices succeeds at once
-# (FAKE_RAY_NEVER_READY: never).
+# processes stay until KillWait's SIGKILL; every process of the step (its cgroup: those
+# that changed process group too, as `ray start` does) carries FAKE_STEP in its
+# environment, and the SIGKILL reaches them all. The wait for Ray's devices succeeds at
+# once (FAKE_RAY_NEVER_READY: never), unless FAKE_REAL_RAY asks for the real one.
+# A step with --container-image runs as pyxis/enroot run it (CONTAINER below).
 SRUN = r"""#!/usr/bin/env bash
 echo $$ >>"$STATE_DIR/sruns"
 out=""
 mode=truncate
+image=""
 while [[ $# -gt 0 && "$1" == -* ]]; do
   case "$1" in
     --output=*) out="${1#--output=}" ;;
     --open-mode=*) mode="${1#--open-mode=}" ;;
+    --container-image=*) image="${1#--container-image=}" ;;
+    --container-mounts=*) mounts="${1#--container-mounts=}" ;;
+    --container-workdir=*) workdir="${1#--container-workdir=}" ;;
     -w) shift ;;
   esac
   shift
 done
-if [[ "$1" == python3 && "$*" == *cluster_resources* ]]; then
+if [[ "$1" == python3 && "$*" == *cluster_resources* && -z "${FAKE_REAL_RAY:-}" ]]; then
   [[ -z "${FAKE_RAY_NEVER_READY:-}" ]]
   exit
 fi
+if [[ -n "$image" ]]; then
+  set -- unshare -m --propagation private bash -c "$FAKE_CONTAINER" container "$(dirname "$0")" "$mounts" "$workdir" "$@"
+fi
+step="$STATE_DIR/step-$$"
 if [[ -n "$out" ]]; then
   if [[ "$mode" != append ]]; then : >"$out"; fi
-  setsid "$@" >>"$out" 2>&1 &
+  FAKE_STEP="$step" setsid "$@" >>"$out" 2>&1 &
 else
-  setsid "$@" &
+  FAKE_STEP="$step" setsid "$@" &
 fi
 task=$!
 echo "$task" >>"$STATE_DIR/steps"
+kill_step() {
+  kill -KILL -- "-$task"
+  local pids
+  pids="$(grep -lsxzF "FAKE_STEP=$step" /proc/[0-9]*/environ | cut -d/ -f3)"
+  if [[ -n "$pids" ]]; then kill -KILL $pids 2>/dev/null; fi
+}
 trap 'kill -USR1 "$task"' USR1
-trap '[[ -e "$STATE_DIR/completing" ]] || kill -KILL -- "-$task"' TERM
+trap '[[ -e "$STATE_DIR/completing" ]] || kill_step' TERM
 while kill -0 "$task" 2>/dev/null; do wait "$task"; done
 wait "$task"
 status=$?
@@ -80,6 +102,35 @@ group_alive() {
 }
 while group_alive "$task"; do sleep 0.05; done
 exit "$status"
+"""
+
+# A container of the step's own, as enroot makes one for each step: a private mount
+# namespace with a fresh, empty tmpfs on /tmp, in which the --container-mounts folders
+# (which must exist, as pyxis wants) are bound back at their paths, and the stand-ins'
+# own folders (the image's commands, the tests' state) too; those under /tmp from the
+# host's /tmp, kept open as fd 3 (mount --no-canonicalize: the path through /proc/self/fd
+# must not be resolved to the /tmp it names, now the tmpfs). Then the task, in the workdir.
+CONTAINER = r"""set -e
+bin="$1" mounts="$2" workdir="$3"
+shift 3
+exec 3</tmp
+mount -t tmpfs tmpfs /tmp
+IFS=, read -r -a folders <<<"$mounts"
+for folder in "${folders[@]}" "$bin" "$STATE_DIR"; do
+  src="${folder%%:*}" target="${folder#*:}"
+  target="${target%%:*}"
+  host="$src"
+  if [[ "$src" == /tmp/* ]]; then host="/proc/self/fd/3/${src#/tmp/}"; fi
+  if [[ ! -d "$host" ]]; then
+    echo "pyxis: container start failed: mount source $src: No such file or directory" >&2
+    exit 1
+  fi
+  mkdir -p "$target"
+  mount --no-canonicalize --bind "$host" "$target"
+done
+exec 3<&-
+cd "$workdir"
+exec "$@"
 """
 
 # Slurm 22.05.8's answers: `show config` lists neither PreemptParameters (a later
@@ -137,7 +188,9 @@ while true; do sleep 0.1; done
 # records which Ray nodes are alive and, as the real trainer does, saves and exits 75 when
 # Ray is up, or fails (exit 1, "Failed to connect to GCS") when Ray went first; signalled
 # while still starting (FAKE_TRAIN_STARTING) it exits 128 + the signal's number with
-# nothing saved; FAKE_TRAIN_EXIT: a failure of its own, with no signal.
+# nothing saved; FAKE_TRAIN_EXIT: a failure of its own, with no signal. FAKE_REAL_RAY: it
+# joins the real cluster at its ray.address, runs a task there, records the step the task
+# ran in and its own, and what its /tmp holds, and exits 0.
 TRAINER = r"""#!{python}
 import os, signal, sys, time
 state = os.environ["STATE_DIR"]
@@ -152,6 +205,16 @@ signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
 print("train attempt", os.environ.get("SLURM_RESTART_COUNT", "0"), flush=True)
 open(os.path.join(state, "train.args"), "w").write(" ".join(sys.argv[1:]))
 open(os.path.join(state, "train.pid"), "w").write(str(os.getpid()))
+if os.environ.get("FAKE_REAL_RAY"):
+    import ray
+
+    address = next(arg for arg in sys.argv if arg.startswith("ray.address="))
+    ray.init(address=address.split("=", 1)[1], logging_level="ERROR")
+    step = ray.get(ray.remote(num_cpus=1)(lambda: os.environ.get("FAKE_STEP")).remote(), timeout=60)
+    open(os.path.join(state, "ray_task"), "w").write(f"{step} {os.environ['FAKE_STEP']}")
+    open(os.path.join(state, "train_tmp"), "w").write("\n".join(sorted(os.listdir("/tmp"))))
+    ray.shutdown()
+    sys.exit(0)
 if os.environ.get("FAKE_TRAIN_EXIT"):
     print("dapo-megatron train: error: a member failed", file=sys.stderr)
     sys.exit(int(os.environ["FAKE_TRAIN_EXIT"]))
@@ -182,6 +245,7 @@ def cluster_stand_ins(tmp_path):
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
     bin_dir.mkdir()
     state.mkdir()
+    ray_temp = Path(tempfile.mkdtemp(prefix="dapo-test-", dir="/tmp"))
     for name, text in (
         ("srun", SRUN),
         ("scontrol", SCONTROL),
@@ -204,6 +268,9 @@ def cluster_stand_ins(tmp_path):
         "MODEL_DIR": str(tmp_path / "model"),
         "DATA_DIR": str(tmp_path / "data"),
         "OUTPUT_DIR": str(tmp_path / "run"),
+        # Where Ray's temp dir goes on the "nodes" (all this machine): short, as Ray's sockets need.
+        "RAY_TEMP_ROOT": str(ray_temp),
+        "FAKE_CONTAINER": CONTAINER,
     }
     yield env, state
     # What KillWait's SIGKILL would end: anything a test left running.
@@ -218,6 +285,25 @@ def cluster_stand_ins(tmp_path):
             os.killpg(task, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    for pid in _processes_of(state):  # the rest of the job's (a real Ray's daemons and workers)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(ray_temp, ignore_errors=True)
+
+
+def _processes_of(state: Path) -> list[int]:
+    """The live processes the test's job started: those with its STATE_DIR in their environment."""
+    mark = f"STATE_DIR={state}".encode()
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in environ.read_bytes().split(b"\0") and _alive(int(environ.parent.name)):
+                pids.append(int(environ.parent.name))
+        except (OSError, IndexError):
+            pass
+    return pids
 
 
 def _wait_for(path: Path, timeout_s: float = 60.0) -> None:
@@ -647,6 +733,25 @@ def test_the_job_refuses_a_symlink_at_the_token_name(cluster_stand_ins, tmp_path
         assert victim.read_text() == "victim\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
 
 
+def test_the_job_refuses_a_ray_temp_dir_that_is_not_its_own(cluster_stand_ins):
+    """Anything already at the path of the attempt's Ray temp dir on a node (someone
+    else's) was not made by this attempt: the job stops before Ray starts, says what to
+    do, and leaves it as it is (the removal at exit touches only what has the attempt's mark)."""
+    env, state = cluster_stand_ins
+    temp = Path(env["RAY_TEMP_ROOT"]) / "dapo-ray-99-0"
+    temp.mkdir()
+    (temp / "theirs").write_text("theirs\n")
+    err = _refused(env, state)
+    assert f"temp dir {temp} " in err and "remove it" in err, err
+    assert [path.name for path in temp.iterdir()] == ["theirs"]
+
+
+def test_the_job_refuses_a_ray_temp_dir_too_long_for_rays_sockets(cluster_stand_ins):
+    env, state = cluster_stand_ins
+    err = _refused({**env, "RAY_TEMP_ROOT": "/tmp/" + "x" * 25}, state)  # + /dapo-ray-99-0: 44 bytes
+    assert "44 bytes" in err and "at most 43" in err, err
+
+
 def test_the_token_file_is_private_while_the_job_runs(cluster_stand_ins):
     env, state = cluster_stand_ins
     job = _start(env)
@@ -658,3 +763,67 @@ def test_the_token_file_is_private_while_the_job_runs(cluster_stand_ins):
     assert re.fullmatch(r"[0-9a-f]{64}\n?", tokens[0].read_text())
     job.send_signal(signal.SIGUSR1)
     _finish(job, state)
+
+
+def test_steps_in_containers_each_with_its_own_tmp_reach_the_real_ray(cluster_stand_ins):
+    """pyxis/enroot gives every step a container of its own, with a fresh tmpfs on /tmp,
+    where Ray keeps its sockets by default: here each step with --container-image runs
+    so too (CONTAINER). The real `ray start` (this environment's Ray), the real wait for
+    the cluster's CPUs and a trainer that joins the cluster and runs a task there all
+    reach the raylet through Ray's temp dir (by default under /tmp), a host folder the
+    job makes before Ray starts, mounts into each step and removes at its end."""
+    if subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode:
+        pytest.skip("needs a mount namespace of its own (unshare -m: root)")
+    env, state = cluster_stand_ins
+    bin_dir = Path(env["PATH"].split(":", 1)[0])
+    real_ray = Path(sys.executable).with_name("ray")
+    (bin_dir / "ray").write_text(
+        f'#!/bin/sh\necho $$ >>"$STATE_DIR/ray.pids"\necho "$*" >>"$STATE_DIR/ray.args"\nexec "{real_ray}" "$@"\n'
+    )
+    with socket.socket() as probe:  # a free port for the head (another Ray may run here)
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    job_id = str(os.getpid())
+    temp = Path(f"/tmp/dapo-ray-{job_id}-0")  # the default: one per job and attempt
+    assert not temp.exists()
+    env = {k: v for k, v in env.items() if k not in ("MODEL_DIR", "DATA_DIR", "ENGINE_NODES", "RAY_TEMP_ROOT")}
+    env.update(
+        RECIPE="examples/demo/demo.yaml",
+        # A head and a worker, both on this machine.
+        SLURM_JOB_NODELIST=f"{socket.gethostname()},{socket.gethostname()}",
+        SLURM_NNODES="2",
+        SLURM_GPUS_PER_NODE="0",
+        SLURM_CPUS_ON_NODE="2",
+        SLURM_JOB_ID=job_id,
+        CONTAINER_IMAGE="/images/dapo-megatron.sqsh",
+        FAKE_REAL_RAY="1",
+        RAY_PORT=str(port),
+        RAY_WAIT_SECONDS="40",
+        RAY_USAGE_STATS_ENABLED="0",
+    )
+    job = _start(env)
+    try:
+        _, err = job.communicate(timeout=150)
+        logs = Path(env["OUTPUT_DIR"]) / "logs" / job_id / "attempt-0"
+        said = "".join(f"\n--- {path.name}:\n{path.read_text()[-3000:]}" for path in sorted(logs.glob("*.log")))
+        assert job.returncode == 0, err + said
+        # The trainer's step saw a /tmp of its own: only the folders mounted into it.
+        mounted = {temp, state, bin_dir, Path(env["OUTPUT_DIR"])}
+        seen = {path.relative_to("/tmp").parts[0] for path in mounted if path.is_relative_to("/tmp")}
+        assert set((state / "train_tmp").read_text().split()) == seen
+        # The task ran in a Ray worker of a `ray start` step (not in the trainer's step), and
+        # both `ray start` (head, worker) kept their files in the job's folder.
+        task_step, train_step = (state / "ray_task").read_text().split()
+        assert task_step.startswith(str(state / "step-")) and task_step != train_step
+        starts = (state / "ray.args").read_text().splitlines()
+        assert len(starts) == 2 and all(f"--temp-dir={temp} " in start for start in starts), starts
+        assert not temp.exists(), "the job's Ray temp dir was left behind"
+        deadline = time.monotonic() + 10
+        while _processes_of(state):
+            assert time.monotonic() < deadline, "Ray left running"
+            time.sleep(0.1)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        if (temp / f".made-by-job-{job_id}-attempt-0").exists():
+            shutil.rmtree(temp)
