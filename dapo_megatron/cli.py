@@ -383,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser(
         "convert",
         help="convert checkpoints between Hugging Face and Megatron formats",
-        description="Exact, streaming HF <-> Megatron conversion for Qwen2/Qwen2.5 and Qwen3 (verified against transformers).",
+        description="Exact, streaming HF <-> Megatron conversion for Qwen2/Qwen2.5, Qwen3 and Qwen3-MoE (verified against "
+        "transformers).",
     )
     add_convert_arguments(convert)
     convert.set_defaults(func=_cmd_convert)

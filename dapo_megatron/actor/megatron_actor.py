@@ -1,4 +1,4 @@
-"""The Megatron actor: Qwen2 under any TP/PP/DP layout, log-probs and DAPO updates.
+"""The Megatron actor: Qwen2/Qwen2.5, Qwen3 or Qwen3-MoE at any TP/PP/DP/EP layout; log-probs and DAPO updates.
 
 One instance lives on every rank of the actor. It owns megatron-core's GPTModel (built
 with its output layer deferred, so the last stage returns hidden states), megatron's DDP

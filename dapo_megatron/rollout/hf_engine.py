@@ -1,8 +1,8 @@
 """The transformers rollout engine: batched sampling on a CPU (or one GPU).
 
 This is the embedded default where SGLang cannot run: the tests and the CPU demo. It
-samples with ``transformers``' own ``generate`` (the same Qwen2 implementation the
-converter verifies against), reports each sampled token's ``log_softmax(logits / T)``
+samples with ``transformers``' own ``generate`` (the same model implementation of each
+family the converter verifies against), reports each sampled token's ``log_softmax(logits / T)``
 from the raw logits ``generate`` returns, and takes weights from the actor as a stream of
 HF-named buckets, all or nothing: tensors are checked and copied into a second set of
 buffers as they arrive, and the two sets are swapped only when the whole model has
