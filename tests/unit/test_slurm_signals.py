@@ -808,7 +808,13 @@ def test_steps_in_containers_each_with_its_own_tmp_reach_the_real_ray(cluster_st
         said = "".join(f"\n--- {path.name}:\n{path.read_text()[-3000:]}" for path in sorted(logs.glob("*.log")))
         assert job.returncode == 0, err + said
         # The trainer's step saw a /tmp of its own: only the folders mounted into it.
-        mounted = {temp, state, bin_dir, Path(env["OUTPUT_DIR"])}
+        mounted = {
+            temp,
+            state,
+            bin_dir,
+            Path(env["OUTPUT_DIR"]),
+            ROOT,
+        }  # (ROOT: the repository, under /tmp in a clone there)
         seen = {path.relative_to("/tmp").parts[0] for path in mounted if path.is_relative_to("/tmp")}
         assert set((state / "train_tmp").read_text().split()) == seen
         # The task ran in a Ray worker of a `ray start` step (not in the trainer's step), and
