@@ -162,3 +162,61 @@ def ray_client(address: str, token_file: Optional[Path] = None) -> subprocess.Co
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
     command = [sys.executable, "-c", CONNECT.format(address=address)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+# Four steps with a checkpoint every two; no validation (it is not part of the state).
+FOUR_STEPS = {
+    "trainer.num_steps": 4,
+    "checkpoint.save_every": 2,
+    "trainer.val_before_train": False,
+    "trainer.val_every": 0,
+}
+# Wall-clock figures differ between any two runs; everything else must not.
+TIMING_PREFIXES = ("time/", "throughput/", "sync/gb_per_s")
+
+
+def step_metrics(run: Path) -> dict[int, dict[str, float]]:
+    """Each step's metrics of ``run`` (``metrics.jsonl``), wall-clock figures left out."""
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = {}
+    for row in rows:
+        step = row.pop("step")
+        assert step not in steps, f"step {step} logged twice"
+        steps[step] = {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)}
+    return steps
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tiny_model, tmp_path_factory) -> tuple[Path, dict]:
+    """:data:`FOUR_STEPS` of the tiny model without a stop, exported (one run, which every
+    test comparing with an uninterrupted run reads): the run folder, and the weights the
+    engine served at the end."""
+    from dapo_megatron.config import config_from_dict
+    from dapo_megatron.trainer import train
+
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    seen = {}
+    train(
+        config_from_dict(run_config(tiny_model, whole, **FOUR_STEPS, **{"checkpoint.export_hf": True})),
+        inspect=lambda actor, engines: seen.update(engine=engines.served_weights()),
+    )
+    return whole, seen
+
+
+def assert_loopback_only(sockets: list, ranks: list[int], engines: list[int]) -> None:
+    """Nothing of a run listens beyond the loopback address: ``sockets`` (every listener of
+    the driver's process tree, from :func:`listening_sockets`, taken while the run is up)
+    are all on 127.0.0.1 or ::1, and the listing reached the processes that matter: every
+    rank (pids ``ranks``) has its gloo listeners, rank 0 the rendezvous store and, with
+    separate engines, the weight-update group's store on top, every engine (``engines``)
+    its listener in that group, and Ray's own daemons theirs."""
+    wildcard = [s for s in sockets if s.ip in WILDCARD]
+    assert not wildcard, f"listening on every interface: {wildcard}"
+    assert all(s.ip in LOOPBACK for s in sockets), [s for s in sockets if s.ip not in LOOPBACK]
+    per_pid = {pid: [s for s in sockets if s.pid == pid and s.kind == "tcp"] for pid in ranks + engines}
+    assert all(per_pid.values()), per_pid
+    rank0, *others = ranks
+    assert len(per_pid[rank0]) >= 2 + max(len(per_pid[pid]) for pid in others), per_pid
+    assert any(s.name.startswith(("gcs_server", "raylet")) for s in sockets), sockets

@@ -46,6 +46,8 @@ def test_bench_on_the_cpu_example_config_writes_every_phase_with_its_ceiling_rat
         "algorithm.dynamic_sampling=false",
         "--steps",
         "2",
+        "--warmup",
+        "0",
         "--reward-responses",
         "200",
         "--json",

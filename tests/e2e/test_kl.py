@@ -10,8 +10,7 @@ import pytest
 
 from dapo_megatron.config import ConfigError, config_from_dict
 from dapo_megatron.trainer import train
-from tests.e2e.conftest import run_config
-from tests.e2e.test_resume import FOUR_STEPS, _metrics
+from tests.e2e.conftest import FOUR_STEPS, run_config, step_metrics
 
 
 def _kl_run(tiny_model, out, **overrides):
@@ -24,7 +23,7 @@ def _kl_run(tiny_model, out, **overrides):
 def test_kl_penalty_to_the_initial_policy_survives_resume(tiny_model, tmp_path):
     whole = tmp_path / "whole"
     train(config_from_dict(_kl_run(tiny_model, whole)))
-    metrics = _metrics(whole)
+    metrics = step_metrics(whole)
     # The policy moves away from the initial one: the penalty is positive.
     assert metrics[1]["actor/kl_loss"] > 0 and all(metrics[s]["actor/kl_loss"] > 0 for s in (2, 3, 4))
     assert "time/ref_log_prob" in _raw_keys(whole)
@@ -33,7 +32,7 @@ def test_kl_penalty_to_the_initial_policy_survives_resume(tiny_model, tmp_path):
     train(config_from_dict(_kl_run(tiny_model, split)), resume=True)
     # The reference after resume is the initial policy again (not the resumed weights):
     # every metric of steps 3 and 4 is the uninterrupted run's.
-    assert _metrics(split) == metrics
+    assert step_metrics(split) == metrics
 
 
 def _raw_keys(run) -> set:

@@ -21,7 +21,12 @@ def test_actor_ranks_land_on_both_nodes_and_a_step_completes(tiny_model, tmp_pat
         config = run_config(
             tiny_model,
             tmp_path / "run",
-            **{"trainer.num_steps": 1, "trainer.val_before_train": False, "trainer.val_every": 0},
+            **{
+                "trainer.num_steps": 1,
+                "trainer.val_before_train": False,
+                "trainer.val_every": 0,
+                "checkpoint.save_every": 0,
+            },
         )
         config["parallel"].update(num_nodes=2, num_devices_per_node=1, tp_size=1)  # dp 2 across the nodes
         config["ray"] = {"address": cluster.address}

@@ -18,27 +18,7 @@ import yaml
 from dapo_megatron.ckpt.dcp_io import latest_checkpoint, read_chunk, tensor_shapes
 from dapo_megatron.config import ConfigError, config_from_dict
 from dapo_megatron.trainer import TRAINER_STATE, train
-from tests.e2e.conftest import REPO, run_config
-
-# Four steps with a checkpoint every two; no validation (it is not part of the state).
-FOUR_STEPS = {
-    "trainer.num_steps": 4,
-    "checkpoint.save_every": 2,
-    "trainer.val_before_train": False,
-    "trainer.val_every": 0,
-}
-# Wall-clock figures differ between any two runs; everything else must not.
-TIMING_PREFIXES = ("time/", "throughput/", "sync/gb_per_s")
-
-
-def _metrics(run: Path) -> dict[int, dict[str, float]]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = {}
-    for row in rows:
-        step = row.pop("step")
-        assert step not in steps, f"step {step} logged twice"
-        steps[step] = {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)}
-    return steps
+from tests.e2e.conftest import FOUR_STEPS, REPO, run_config, step_metrics
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
@@ -55,19 +35,6 @@ def _stored_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
         key: read_chunk(checkpoint, key, (0,) * len(shape), shape, dtype)
         for key, (shape, dtype) in tensor_shapes(checkpoint).items()
     }
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_model, tmp_path_factory) -> tuple[Path, dict]:
-    """Four steps without a stop, exported: the run folder, and the weights the engine
-    served at the end."""
-    whole = tmp_path_factory.mktemp("whole") / "run"
-    seen = {}
-    train(
-        config_from_dict(run_config(tiny_model, whole, **FOUR_STEPS, **{"checkpoint.export_hf": True})),
-        inspect=lambda actor, engines: seen.update(engine=engines.served_weights()),
-    )
-    return whole, seen
 
 
 @pytest.mark.timeout(900)
@@ -91,7 +58,7 @@ def test_two_steps_resume_two_steps_equals_four_steps(tiny_model, tmp_path, unin
     result = train(config_from_dict(run_config(tiny_model, split, **FOUR_STEPS)), resume=True)
     assert result.steps == 4 and (split / "config.resumed_at_step_2.yaml").exists()
 
-    expected, got = _metrics(whole), _metrics(split)
+    expected, got = step_metrics(whole), step_metrics(split)
     assert sorted(got) == [1, 2, 3, 4] == sorted(expected)
     for step in range(1, 5):
         assert got[step] == expected[step], step
@@ -121,7 +88,7 @@ def test_two_steps_resume_two_steps_equals_four_steps(tiny_model, tmp_path, unin
     other["parallel"].update(tp_size=1, pp_size=2)
     other["checkpoint"]["load_dir"] = str(whole / "checkpoints" / "step_00000002")
     train(config_from_dict(other), resume=True)
-    assert sorted(_metrics(relaid)) == [3, 4]
+    assert sorted(step_metrics(relaid)) == [3, 4]
     state = json.loads((latest_checkpoint(relaid / "checkpoints") / TRAINER_STATE).read_text())
     assert state["step"] == 4 and state["data"] == state_whole["data"]
 
@@ -160,13 +127,13 @@ def test_a_stop_signal_during_a_long_generation_saves_within_a_bound(tiny_model,
     assert "stopped by SIGUSR1 after step 1 (step 2's generation abandoned" in output, output[-3000:]
     checkpoint = latest_checkpoint(run / "checkpoints")
     assert checkpoint.name == "step_00000001"
-    assert sorted(_metrics(run)) == [1]
+    assert sorted(step_metrics(run)) == [1]
     print(f"stopped {stopped_after:.1f} s after the signal, at step 1")
 
     command = [sys.executable, "-m", "dapo_megatron", "train", str(path), "--resume"]
     resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    expected, got = _metrics(uninterrupted[0]), _metrics(run)
+    expected, got = step_metrics(uninterrupted[0]), step_metrics(run)
     assert sorted(got) == [1, 2, 3, 4]
     for step in range(1, 5):  # step 2 drew the prompts it would have drawn, with the same seeds
         assert got[step] == expected[step], step

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -14,7 +15,7 @@ import yaml
 from dapo_megatron import cli
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.trainer import train
-from tests.e2e.conftest import run_config
+from tests.e2e.conftest import assert_loopback_only, listening_sockets, run_config
 
 # Everything the issue lists under "Metrics", as logged every step.
 STEP_METRICS = [
@@ -74,6 +75,7 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate, correction, level):
         seen["engine"] = engines.served_weights(0)
         seen["health"] = engines.health()
         seen["rank_pids"] = [info["pid"] for info in actor.infos]
+        seen["sockets"] = listening_sockets(psutil.Process())
         # At tp 2, rank 1 is a tensor-parallel peer in the first replica: it may not feed.
         with pytest.raises(ValueError, match=r"ranks \[1\] cannot feed engines .* valid feeders are \[0\]"):
             actor.sync_weights(engines.handles, 2**16, feeders={1: [0]})
@@ -141,6 +143,9 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate, correction, level):
     assert not ray.is_initialized() and not (run_dir / "ray").is_symlink()
     assert list((run_dir / "ray").glob("session_*/logs"))  # Ray's logs stay with the run
     assert not [p for pid in seen["rank_pids"] for p in Path("/dev/shm").glob(f"torch_{pid}_*")]
+    if not colocate:
+        # Separate engines: the run with the most listeners (the weight-update group's).
+        assert_loopback_only(seen["sockets"], seen["rank_pids"], [health["pid"] for health in seen["health"]])
 
 
 @pytest.mark.timeout(600)
@@ -189,7 +194,7 @@ def test_the_same_step_at_two_layouts(tiny_model, tmp_path):
     for name, (tp, pp) in {"dp2": (1, 1), "pp2": (1, 2)}.items():
         raw = run_config(tiny_model, tmp_path / name, **{"rollout.colocate": True})
         raw["parallel"].update(tp_size=tp, pp_size=pp)
-        raw["trainer"].update(num_steps=1, val_before_train=False)
+        raw["trainer"].update(num_steps=1, val_before_train=False, val_every=0)
         raw["checkpoint"]["save_every"] = 0
         train(config_from_dict(raw, name))
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()

@@ -26,6 +26,7 @@ def test_train_moe_at_ep2_end_to_end(tiny_moe, tmp_path):
     run_dir = tmp_path / "run"
     raw = run_config(tiny_moe, run_dir, **{"rollout.colocate": True})
     raw["parallel"].update(tp_size=1, ep_size=2)
+    raw["trainer"].update(val_before_train=False, val_every=0)  # (validation is not what this checks)
     # The tiny model's config.json has output_router_logits false (HF's default), which the
     # default coefficient follows (0, no load-balancing loss): set one, to train with it.
     raw["model"]["moe_aux_loss_coeff"] = 0.001

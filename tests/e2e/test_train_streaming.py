@@ -11,8 +11,7 @@ import torch
 from dapo_megatron.ckpt.dcp_io import latest_checkpoint
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.trainer import STREAM_STATE, train
-from tests.e2e.conftest import run_config
-from tests.e2e.test_resume import FOUR_STEPS, _metrics
+from tests.e2e.conftest import FOUR_STEPS, run_config, step_metrics
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -24,17 +23,17 @@ def _streamed(root, out, **overrides):
     return raw
 
 
-def test_streaming_with_one_tick_per_round_trains_as_rounds_do(tiny_model, tmp_path):
-    """Every metric of today's rounds, to the bit, from the streamed path when each tick
-    covers a whole round (chunks of max_response_length tokens, a round in flight)."""
-    rounds = run_config(tiny_model, tmp_path / "rounds", **{**FOUR_STEPS, "trainer.num_steps": 2})
+def test_streaming_with_one_tick_per_round_trains_as_rounds_do(tiny_model, tmp_path, uninterrupted):
+    """Every metric of the rounds (the uninterrupted run's first two steps, which
+    test_resume shows a two-step run of the same config logs too), to the bit, from the
+    streamed path when each tick covers a whole round (chunks of max_response_length
+    tokens, a round in flight)."""
     streamed = run_config(tiny_model, tmp_path / "streamed", **{**FOUR_STEPS, "trainer.num_steps": 2})
     streamed["rollout"].update(streaming=True, stream_chunk_tokens=6, max_prompts_in_flight=4)
-    train(config_from_dict(rounds, "e2e"))
     train(config_from_dict(streamed, "e2e"))
-    expected, got = _metrics(tmp_path / "rounds"), _metrics(tmp_path / "streamed")
-    assert sorted(got) == sorted(expected) == [1, 2]
-    for step in expected:
+    expected, got = step_metrics(uninterrupted[0]), step_metrics(tmp_path / "streamed")
+    assert sorted(got) == [1, 2] and sorted(expected) == [1, 2, 3, 4]
+    for step in (1, 2):
         assert {k: got[step][k] for k in expected[step]} == expected[step], step
         assert got[step]["stream/aborted_tokens"] == 0.0  # a round ends when its last group does
 
@@ -53,7 +52,7 @@ def test_a_streamed_run_with_carried_and_partial_groups_resumes_exactly(tiny_mod
     raw = _streamed(tiny_model, split)
     raw["rollout"].update(switches)
     train(config_from_dict(raw, "e2e"), resume=True)
-    expected, got = _metrics(whole), _metrics(split)
+    expected, got = step_metrics(whole), step_metrics(split)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for step in expected:
         assert got[step] == expected[step], step

@@ -19,8 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.conftest import tiny_qwen2_task
-from tests.e2e.test_resume import TIMING_PREFIXES
+from tests.e2e.conftest import TIMING_PREFIXES, tiny_qwen2_task
 from tests.slurm.conftest import Partition
 
 ROOT = Path(__file__).resolve().parents[2]
