@@ -24,8 +24,7 @@ from dapo_megatron.config import ConfigError, config_from_dict
 from dapo_megatron.orchestration import calls
 from dapo_megatron.orchestration.cluster import TOKEN_FILE
 from dapo_megatron.trainer import TRAINER_STATE, train
-from tests.e2e.conftest import REPO, run_config
-from tests.e2e.test_resume import _metrics
+from tests.e2e.conftest import REPO, run_config, step_metrics
 
 QUIET = {"trainer.val_before_train": False, "trainer.val_every": 0}
 
@@ -112,7 +111,7 @@ def test_a_run_folder_whose_attempt_left_no_checkpoint_is_reused(tiny_model, tmp
     run = tmp_path / "run"
     raw = run_config(tiny_model, run, **{**QUIET, "trainer.num_steps": 1, "checkpoint.save_every": 0})
     train(config_from_dict(raw))
-    first = _metrics(run)
+    first = step_metrics(run)
     assert not (run / "checkpoints").exists()
     # --resume has nothing to resume and says to start without it; started so, the run
     # reuses the folder, keeping the earlier attempt's files aside.
@@ -121,7 +120,7 @@ def test_a_run_folder_whose_attempt_left_no_checkpoint_is_reused(tiny_model, tmp
     train(config_from_dict(raw))
     (aside,) = run.glob("earlier-attempt-*")
     assert sorted(p.name for p in aside.iterdir()) == ["config.yaml", "metrics.jsonl", "tensorboard"]
-    assert _steps_logged(run) == [1] and _metrics(aside) == first == _metrics(run)
+    assert _steps_logged(run) == [1] and step_metrics(aside) == first == step_metrics(run)
 
 
 def test_a_gpu_layout_without_gpus_fails_at_once_and_leaves_no_token(tiny_model, tmp_path):
