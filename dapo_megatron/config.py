@@ -30,6 +30,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from dapo_megatron.config_io import COMMAND_LINE, ConfigError, apply_override, build_dataclass
+from dapo_megatron.families import families, family_named
 from dapo_megatron.model_config import (  # noqa: F401  (re-exported: the config's public names)
     _SHAPE_FIELDS,
     MOE_FIELDS,
@@ -39,7 +40,6 @@ from dapo_megatron.model_config import (  # noqa: F401  (re-exported: the config
     read_hf_model_shape,
     resolve_model_shape,
 )
-from dapo_megatron.models.families import families, family_named
 from dapo_megatron.sequence_pad import round_up, sequence_pad_multiple
 
 # --------------------------------------------------------------------------- sections

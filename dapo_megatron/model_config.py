@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from dapo_megatron.config_io import COMMAND_LINE, ConfigError
-from dapo_megatron.models.families import DEFAULT_MODEL_TYPE, families, family_named
+from dapo_megatron.families import DEFAULT_MODEL_TYPE, families, family_named
 
 
 @dataclass
 class ModelConfig:
-    """The policy model: a decoder of a supported family (``dapo_megatron.models.families``:
+    """The policy model: a decoder of a supported family (``dapo_megatron.families``:
     Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE), described by its HF config or by hand."""
 
     hf_config: Optional[str] = None

@@ -65,7 +65,7 @@ from dapo_megatron.config import (
     pipeline_layer_split,
     validate,
 )
-from dapo_megatron.models.families import family_named
+from dapo_megatron.families import family_named
 
 GIB = 2**30
 OVERHEAD_BYTES = 3 * GIB

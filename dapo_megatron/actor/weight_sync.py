@@ -54,11 +54,11 @@ from dapo_megatron.ckpt.mapping import (
     canonical_layer_param,
     expert_to_hf,
     layer_params,
-    local_expert_of,
     megatron_layer_key,
     shard_to_hf_pieces,
     to_hf,
 )
+from dapo_megatron.models.gpt import local_expert_of
 from dapo_megatron.rollout.engine import RolloutEngine, SyncStats, WeightBucket, WeightSyncError
 
 __all__ = ["check_feeders", "feeder_roles", "sync_weights"]

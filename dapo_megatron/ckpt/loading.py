@@ -59,10 +59,10 @@ def load_hf_weights(
         VOCAB_KEYS,
         canonical_layer_param,
         hf_names_of,
-        local_expert_of,
         megatron_layer_key,
         to_megatron,
     )
+    from dapo_megatron.models.gpt import local_expert_of
 
     checkpoint = HFCheckpoint(hf_dir)
     checkpoint.check_against(shape)

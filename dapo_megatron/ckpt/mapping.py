@@ -1,5 +1,5 @@
 """The one place that knows how HF names and layouts map to Megatron's, for every model
-family (``dapo_megatron.models.families``): computed from the family's features, so a
+family (``dapo_megatron.families``): computed from the family's features, so a
 family adds no code here.
 
 Used by the checkpoint converter in both directions and by weight sync to the rollout
@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from dapo_megatron.models.families import DEFAULT_MODEL_TYPE, family_named
+from dapo_megatron.families import DEFAULT_MODEL_TYPE, family_named
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
@@ -283,22 +283,6 @@ def hf_names_of(
             experts = range(shape.num_experts)
         return tuple(n.format(i=layer, e=e) for e in experts for n in _ALL_LAYER_PARAMS[name])
     return tuple(n.format(i=layer) for n in _ALL_LAYER_PARAMS[name])
-
-
-_LOCAL_EXPERT = re.compile(
-    r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$"
-)
-
-
-def local_expert_of(name: str) -> Optional[tuple[str, int]]:
-    """``(megatron expert key, local index)`` of a layer's local-expert parameter name
-    (``mlp.experts.local_experts.{j}.linear_fc1.weight`` or ``mlp.experts.linear_fc1.weight{j}``),
-    None for any other name."""
-    match = _LOCAL_EXPERT.match(name)
-    if match is None:
-        return None
-    index, linear = (match.group(1), match.group(2)) if match.group(1) is not None else (match.group(4), match.group(3))
-    return f"mlp.experts.experts.{linear}.weight", int(index)
 
 
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Build megatron-core's GPTModel for any supported model family.
 
-The families (``dapo_megatron.models.families``) are Llama-style decoders that differ in
+The families (``dapo_megatron.families``) are Llama-style decoders that differ in
 features this module turns into megatron settings: a bias on the fused QKV projection
 (Qwen2), per-head q/k RMSNorm (Qwen3, megatron's ``qk_layernorm``), the head width
 (``kv_channels``), experts behind a top-k router (Qwen3-MoE, megatron's MoE layer with
@@ -15,12 +15,14 @@ megatron expects.
 from __future__ import annotations
 
 import functools
+import re
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from dapo_megatron.config import ModelConfig, ParallelConfig, moe_layers, padded_vocab_size
-from dapo_megatron.models.families import family_named
+from dapo_megatron.families import family_named
 
 
 def params_dtype(model: ModelConfig, device_type: str) -> torch.dtype:
@@ -319,6 +321,22 @@ def _without_te_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+LOCAL_EXPERT = re.compile(  # megatron's names of a layer's local experts' weights (both MoE specs)
+    r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$"
+)
+
+
+def local_expert_of(name: str) -> Optional[tuple[str, int]]:
+    """``(megatron expert key, local index)`` of a layer's local-expert parameter name
+    (``mlp.experts.local_experts.{j}.linear_fc1.weight`` or ``mlp.experts.linear_fc1.weight{j}``),
+    None for any other name."""
+    match = LOCAL_EXPERT.match(name)
+    if match is None:
+        return None
+    index, linear = (match.group(1), match.group(2)) if match.group(1) is not None else (match.group(4), match.group(3))
+    return f"mlp.experts.experts.{linear}.weight", int(index)
+
+
 def _mark_experts(gpt) -> None:
     """Mark every expert weight as megatron marks it at ep > 1 (``allreduce=False``), at
     ep 1 too. Then DDP reduces expert gradients over the expert-data-parallel group,
@@ -327,8 +345,6 @@ def _mark_experts(gpt) -> None:
     over the data-parallel group only, their tensor-parallel partial sums would be lost.
     And the experts get their own optimizer at every ep size, so the optimizer state of
     a checkpoint has the same structure, and moves between ep sizes."""
-    from dapo_megatron.ckpt.mapping import local_expert_of
-
     for name, param in gpt.named_parameters():
         if name.startswith("decoder.layers.") and local_expert_of(name.split(".", 3)[3]) is not None:
             param.allreduce = False

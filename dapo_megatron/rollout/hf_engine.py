@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from dapo_megatron.ckpt.mapping import ModelShape, fused_expert_param, fused_expert_view, hf_shapes
-from dapo_megatron.models.families import DEFAULT_MODEL_TYPE, family_named
+from dapo_megatron.families import DEFAULT_MODEL_TYPE, family_named
 from dapo_megatron.rollout.engine import (
     Generation,
     RolloutEngine,

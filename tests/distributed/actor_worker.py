@@ -71,7 +71,7 @@ def set_family(cfg, family: str, ep_size: int = 1, **experts) -> None:
     and for a family with experts :data:`TINY_EXPERTS`, overridden by ``experts`` in HF
     names, no load-balancing loss, sequence parallelism under TP), split over ``ep_size``
     expert-parallel ranks."""
-    from dapo_megatron.models.families import family_named
+    from dapo_megatron.families import family_named
 
     cfg.model.family, cfg.model.head_dim = family, TINY_HEAD_DIM[family]
     cfg.parallel.ep_size = ep_size
@@ -89,7 +89,7 @@ def tiny_hf_model(family: str, tied: bool, seed: int, vocab_size: int = 120, **c
     120: padded to 128; for a family with experts, :data:`TINY_EXPERTS`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dapo_megatron.models.families import family_named
+    from dapo_megatron.families import family_named
 
     if family_named(family).moe:
         config = {**TINY_EXPERTS, **config}

@@ -2,6 +2,6 @@
 explicit ``head_dim``) with every MLP replaced by a top-k router over ``num_experts``
 experts of width ``moe_intermediate_size`` and no shared expert."""
 
-from dapo_megatron.models.families import ModelFamily
+from dapo_megatron.families import ModelFamily
 
 FAMILY = ModelFamily(model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True)

@@ -3,6 +3,6 @@ RMSNorm on queries and keys (``q_norm`` / ``k_norm``) and an explicit ``head_dim
 need not be ``hidden_size / num_attention_heads`` (128 throughout the family); the small
 models tie their embeddings."""
 
-from dapo_megatron.models.families import ModelFamily
+from dapo_megatron.families import ModelFamily
 
 FAMILY = ModelFamily(model_type="qwen3", architecture="Qwen3ForCausalLM", qkv_bias=False, qk_norm=True)
