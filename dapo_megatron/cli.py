@@ -15,6 +15,7 @@ to save), 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import enum
 import sys
 from collections.abc import Sequence
 from typing import Optional
@@ -23,9 +24,27 @@ from dapo_megatron import __version__
 from dapo_megatron.bench.phases import PHASE_HELP, PHASES
 from dapo_megatron.config import ConfigError, load_config, source_of
 
-EXIT_USAGE = 2
-EXIT_PREEMPTED = 75
-"""``train`` stopped by SIGTERM/SIGUSR1 after saving (EX_TEMPFAIL: run it again with --resume)."""
+
+class ExitCode(enum.IntEnum):
+    """What the command's exit status says (a SLURM script or a user's wrapper acts on it)."""
+
+    OK = 0
+    FAILED = 1
+    """The run failed (a member died or hung, training diverged, dynamic sampling ran
+    dry): the message says what, and how to resume."""
+    USAGE = 2
+    """Bad input (a config, an argument, a file): nothing was started or changed."""
+    PREEMPTED = 75
+    """``train`` stopped by SIGTERM/SIGUSR1 after saving (EX_TEMPFAIL: run it again with
+    --resume)."""
+    INTERRUPTED = 130
+    """Ctrl-C: everything the command started was stopped."""
+
+
+def signalled(signum: int) -> int:
+    """The status of a run stopped by signal ``signum`` while it was starting (nothing
+    to save): 128 + the signal's number, as a shell reports a process the signal killed."""
+    return 128 + signum
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -39,9 +58,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
         tokenizer, train_data, _, _ = load_run_data(config)
         print(describe_prompt(train_data, args.show_prompt, tokenizer))
-        return 0
+        return ExitCode.OK
     sys.stdout.write(config.to_yaml())
-    return 0
+    return ExitCode.OK
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -57,10 +76,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         print(f"dapo-megatron plan: smallest change that fits: {plan.suggestion}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if args.rehearse:
         return _rehearse(config, args)
-    return 0
+    return ExitCode.OK
 
 
 def _rehearse(config, args: argparse.Namespace) -> int:
@@ -76,15 +95,15 @@ def _rehearse(config, args: argparse.Namespace) -> int:
         rehearsal = rehearse(config, cpus_per_node=args.cpus_per_node, spare_nodes=args.spare_nodes)
     except (MemberFailed, ValueError, RuntimeError) as exc:
         print(f"dapo-megatron plan: error: the job cannot be placed: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     print(format_rehearsal(rehearsal, stage_sync_bytes(config)))
     if rehearsal.problems:
         print(
             f"dapo-megatron plan: error: the rehearsed placement has {len(rehearsal.problems)} problem(s)",
             file=sys.stderr,
         )
-        return EXIT_USAGE
-    return 0
+        return ExitCode.USAGE
+    return ExitCode.OK
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -105,35 +124,35 @@ def _cmd_train(args: argparse.Namespace) -> int:
         result = train(config, resume=args.resume or args.resume_from is not None, resume_from=args.resume_from)
     except (DynamicSamplingExhausted, TrainingDiverged) as exc:
         print(f"dapo-megatron train: error: {exc}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     except Preempted as exc:
         print(f"dapo-megatron train: {exc}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return ExitCode.PREEMPTED
     except StartupInterrupted as exc:
         print(f"dapo-megatron train: {exc}", file=sys.stderr)
-        return 128 + exc.signum
+        return signalled(exc.signum)
     except StopOutOfTime as exc:  # the job is still requeued: it resumes from the previous checkpoint
         print(f"dapo-megatron train: error: {exc}", file=sys.stderr)
         print(f"dapo-megatron train: {_resume_hint(config, args.resume)}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return ExitCode.PREEMPTED
     except (MemberFailed, WeightSyncError, GenerationAheadFailed, StaleBatch) as exc:
         # A member failed, hung or fell behind: the same message whichever it was.
         print(f"dapo-megatron train: error: {exc}", file=sys.stderr)
         print(f"dapo-megatron train: {_resume_hint(config, args.resume)}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     if result.already_complete:
         print(
             f"the run in {result.run_dir} is complete: its checkpoint {result.last_checkpoint} is at step "
             f"{result.steps} of trainer.num_steps={config.trainer.num_steps}; nothing to do (raise "
             "trainer.num_steps to train further)"
         )
-        return 0
+        return ExitCode.OK
     summary = f"trained {result.steps} steps; run folder {result.run_dir}"
     if result.val_before is not None:
         summary += f"; validation accuracy {result.val_before:.1%} -> {result.val_after:.1%}"
     print(summary)
     print(f"TensorBoard: tensorboard --logdir {result.run_dir / 'tensorboard'}")
-    return 0
+    return ExitCode.OK
 
 
 def _resume_hint(config, resumed: bool) -> str:
@@ -169,7 +188,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(config, ckpt=args.ckpt, hf_dir=args.hf_dir, out_dir=args.out)
     print(format_table(result.summary))
     print(f"wrote {result.out_dir / 'summary.json'} and {result.out_dir / 'problems.jsonl'}")
-    return 0
+    return ExitCode.OK
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -201,20 +220,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result = run_bench(config, options)
     except StartupInterrupted as exc:  # bench never gets past "starting": any signal ends it
         print(f"dapo-megatron bench: {exc}", file=sys.stderr)
-        return 128 + exc.signum
+        return signalled(exc.signum)
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.json}")
-    return 0
+    return ExitCode.OK
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from dapo_megatron.ckpt.convert import run_cli
 
     run_cli(args.direction, args, log=lambda line: print(line, file=sys.stderr))
-    return 0
+    return ExitCode.OK
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -410,15 +429,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_arguments(parser, argv)
     if args.command is None:
         parser.print_help()
-        return EXIT_USAGE
+        return ExitCode.USAGE
     try:
         return args.func(args)
     except ConfigError as exc:  # includes ConversionError and DataError: bad input, explained
         print(f"dapo-megatron {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except KeyboardInterrupt:
         print(f"dapo-megatron {args.command}: interrupted; everything it started was stopped", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 if __name__ == "__main__":
