@@ -5,6 +5,7 @@ from rank 0, in the announced order)."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -37,7 +38,7 @@ def run(rank: int, port: int, world_size: int, out_dir: str) -> None:
         announce.count = 0
         stats = broadcast_buckets(buckets, group, announce)
         torch.save(stats, os.path.join(out_dir, "stats.pt"))
-        _finish(group)
+        _finish(group, rank, world_size, out_dir)
         return
     received = {}
     for index in range(2):
@@ -50,10 +51,20 @@ def run(rank: int, port: int, world_size: int, out_dir: str) -> None:
         if last:
             break
     torch.save(received, os.path.join(out_dir, f"received_{rank}.pt"))
-    _finish(group)
+    _finish(group, rank, world_size, out_dir)
 
 
-def _finish(group) -> None:
-    # Rank 0 hosts the group's TCP store: nobody leaves before everyone is done with it.
+def _finish(group, rank: int, world_size: int, out_dir: str) -> None:
+    """Rank 0 hosts the group's TCP store: nobody leaves before everyone is done with it,
+    and rank 0 leaves last, once every other rank has destroyed its end of the group (a
+    store host that exits while clients still hold their connections was seen to abort,
+    once, in its teardown)."""
     torch.distributed.barrier(group=group)
     torch.distributed.destroy_process_group(group)
+    if rank != 0:
+        open(os.path.join(out_dir, f"left_{rank}"), "w").close()
+        return
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(out_dir, f"left_{r}")) for r in range(1, world_size)):
+        assert time.monotonic() < deadline, "a receiver did not leave the weight-update group within 60 s"
+        time.sleep(0.05)

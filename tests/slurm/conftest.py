@@ -7,7 +7,8 @@ The config (``SlurmConfig``): the node as `slurmd -C` reports it; `proctrack/cgr
 `task/cgroup` where cgroup v1 is mounted (its freezer hierarchy), else `proctrack/linuxproc`;
 `select/cons_tres`; one partition `main`; settings that shorten the job cycle:
 `AuthInfo=cred_expire=5` (a requeued job may start again after 5 s instead of 120),
-`SchedulerParameters=sched_interval=5`, `KillWait=5`, and `MinJobAge=600` so that finished
+`SchedulerParameters=sched_interval=5`, `KillWait=5`, `FirstJobId` from the clock (job ids of its own,
+not those of an earlier session), and `MinJobAge=600` so that finished
 jobs stay visible to `scontrol show job` (there is no slurmdbd, hence no `sacct`).
 
 A test gets the cluster through the ``slurm`` fixture; ``@pytest.mark.slurm_config(...)``
@@ -173,6 +174,11 @@ class SlurmCluster:
         self.proctrack = ""
         self._ports = (_free_port(), _free_port())
         self._daemons: dict[str, subprocess.Popen] = {}
+        # Job ids of their own: a fresh slurmctld would number from 1 again, and a job's
+        # files outside this folder (train.sbatch's Ray temp dir, /tmp/dapo-ray-<job>-<n>,
+        # left by a job that ended by scancel or a preemption) would meet a later
+        # session's job of the same id. Seconds since the epoch, under SLURM's MaxJobId.
+        self.first_job_id = 1000 + int(time.time()) % 60_000_000
         node = subprocess.run([self._program("slurmd"), "-C"], capture_output=True, text=True, check=True).stdout
         line = next(line for line in node.splitlines() if line.startswith("NodeName="))
         # This host's name, reached over loopback.
@@ -234,6 +240,7 @@ class SlurmCluster:
             "ReturnToService": "2",
             "KillWait": str(config.kill_wait),
             "MinJobAge": str(config.min_job_age),
+            "FirstJobId": str(self.first_job_id),
             "InactiveLimit": "0",
             "SlurmctldDebug": "info",
             "SlurmdDebug": "info",
@@ -347,6 +354,13 @@ class SlurmCluster:
     def stop(self) -> None:
         self.stop_slurm()
         self._stop("munged")
+        # The Ray temp dirs this cluster's jobs left (those that ended by scancel or a
+        # preemption cannot remove theirs): each holds its job's mark.
+        for folder in Path("/tmp").glob("dapo-ray-*-*"):
+            job = folder.name.split("-")[2]
+            if job.isdigit() and self.first_job_id <= int(job) < self.first_job_id + 100_000:
+                if not folder.is_symlink() and list(folder.glob(f".made-by-job-{job}-attempt-*")):
+                    shutil.rmtree(folder, ignore_errors=True)
 
     def diagnostics(self) -> str:
         parts = []
