@@ -214,6 +214,26 @@ class LocalRMSNorm:
         return norm
 
 
+def _segment_groups(params, device) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The token indices ``[L, n]`` of a packed row's segments, grouped by length ``L``, and
+    the permutation that puts the groups' tokens back in row order. Computed once per
+    micro-batch (kept on its ``PackedSeqParams``), not once per layer: every layer of the
+    row asks for the same."""
+    cached = getattr(params, "segment_groups", None)
+    if cached is None:
+        bounds = params.cu_seqlens_q.tolist()
+        by_length: dict[int, list[int]] = {}
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end > start:
+                by_length.setdefault(end - start, []).append(start)
+        groups = [torch.tensor(starts)[None, :] + torch.arange(length)[:, None] for length, starts in by_length.items()]
+        order = torch.cat([index.reshape(-1) for index in groups])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        cached = params.segment_groups = ([index.to(device) for index in groups], inverse.to(device))
+    return cached
+
+
 @functools.cache
 def segment_attention_class():
     """megatron's local ``DotProductAttention``, made to take packed rows (THD, as
@@ -238,23 +258,16 @@ def segment_attention_class():
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
             if self.attn_mask_type != AttnMaskType.causal:
                 raise ValueError(f"packed rows need causal attention, not {self.attn_mask_type}")
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
-            by_length: dict[int, list[int]] = {}
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                if end > start:
-                    by_length.setdefault(end - start, []).append(start)
-            parts, order = [], []
-            for length, starts in by_length.items():
-                # The segments of one length side by side as a batch: [L, n, heads, dim]
-                # in, [L, n, heads * dim] out. With no mask, megatron's softmax applies its
-                # causal one.
-                index = (torch.tensor(starts)[None, :] + torch.arange(length)[:, None]).to(query.device)
-                out = super().forward(query[index], key[index], value[index], None)
-                parts.append(out.reshape(length * len(starts), 1, -1))
-                order.append(index.reshape(-1))
+            groups, inverse = _segment_groups(packed_seq_params, query.device)
+            # The segments of one length side by side as a batch: [L, n, heads, dim] in,
+            # [L, n, heads * dim] out. With no mask, megatron's softmax applies its causal one.
+            parts = [
+                super(SegmentDotProductAttention, self)
+                .forward(query[index], key[index], value[index], None)
+                .reshape(index.numel(), 1, -1)
+                for index in groups
+            ]
             # Back to the row's token order: [t, 1, heads * dim].
-            inverse = torch.empty_like(torch.cat(order))
-            inverse[torch.cat(order)] = torch.arange(inverse.numel(), device=inverse.device)
             return torch.cat(parts, dim=0)[inverse]
 
     return SegmentDotProductAttention
