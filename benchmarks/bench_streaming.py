@@ -205,7 +205,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     from dapo_megatron.config import config_from_dict
     from dapo_megatron.data import PromptLoader
-    from dapo_megatron.step import Stepper, load_initial_weights, load_run_data, start_system, training_sampling
+    from dapo_megatron.run.step import Stepper, load_initial_weights, load_run_data, start_system, training_sampling
 
     work = build_workload(Path(args.work))
     profile = length_profile(work)

@@ -48,13 +48,13 @@ def signalled(signum: int) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from dapo_megatron.preflight import preflight
+    from dapo_megatron.run.preflight import preflight
 
     config = load_config(args.file, args.overrides)
     preflight(config)
     if args.show_prompt is not None:
         from dapo_megatron.data import describe_prompt
-        from dapo_megatron.trainer import load_run_data
+        from dapo_megatron.run.trainer import load_run_data
 
         tokenizer, train_data, _, _ = load_run_data(config)
         print(describe_prompt(train_data, args.show_prompt, tokenizer))
@@ -109,7 +109,7 @@ def _rehearse(config, args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     import logging
 
-    from dapo_megatron.trainer import Preempted, TrainingDiverged, train
+    from dapo_megatron.run.trainer import Preempted, TrainingDiverged, train
 
     config = load_config(args.file, args.overrides)
     logging.basicConfig(
@@ -117,8 +117,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
     from dapo_megatron.algo import DynamicSamplingExhausted
     from dapo_megatron.orchestration.calls import MemberFailed
-    from dapo_megatron.rollout.engine import WeightSyncError
-    from dapo_megatron.step import GenerationAheadFailed, StaleBatch, StartupInterrupted, StopOutOfTime
+    from dapo_megatron.run.step import GenerationAheadFailed, StaleBatch, StartupInterrupted, StopOutOfTime
+    from dapo_megatron.weight_sync.bucket import WeightSyncError
 
     try:
         result = train(config, resume=args.resume or args.resume_from is not None, resume_from=args.resume_from)
@@ -176,8 +176,8 @@ def _resume_hint(config, resumed: bool) -> str:
 def _cmd_eval(args: argparse.Namespace) -> int:
     import logging
 
-    from dapo_megatron.evaluation import evaluate, format_table
-    from dapo_megatron.preflight import check_inputs_exist, check_reward
+    from dapo_megatron.run.evaluation import evaluate, format_table
+    from dapo_megatron.run.preflight import check_inputs_exist, check_reward
 
     config = load_config(args.file, args.overrides)
     check_reward(config)
@@ -197,7 +197,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from dapo_megatron.bench.report import format_report
     from dapo_megatron.bench.run import BenchOptions, check_phases, run_bench
-    from dapo_megatron.preflight import check_inputs_exist, check_reward
+    from dapo_megatron.run.preflight import check_inputs_exist, check_reward
 
     config = load_config(args.file, args.overrides)
     check_reward(config)
@@ -214,7 +214,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         peak_tb_per_s=args.peak_tb_per_s,
         extra={"command": " ".join(["dapo-megatron", "bench", args.file, *args.overrides])},
     )
-    from dapo_megatron.step import StartupInterrupted
+    from dapo_megatron.run.step import StartupInterrupted
 
     try:
         result = run_bench(config, options)

@@ -58,13 +58,13 @@ from typing import Optional
 from dapo_megatron.config import (
     Config,
     ConfigError,
-    apply_override,
     data_parallel_size,
     moe_layers,
     padded_vocab_size,
     pipeline_layer_split,
-    validate,
 )
+from dapo_megatron.config.io import apply_override
+from dapo_megatron.config.validate import validate
 from dapo_megatron.families import family_named
 
 GIB = 2**30
@@ -234,8 +234,8 @@ def sync_traffic_plan(config: Config) -> Optional[str]:
     GPU engines fed as ``train`` feeds them (ranks r on node r // devices_per_node, GPU
     r % devices_per_node, as Ray places them; ``plan --rehearse`` shows the real map);
     None on one node or the CPU runtime."""
-    from dapo_megatron.actor.sync_roles import sync_roles, sync_traffic
     from dapo_megatron.orchestration.placement import choose_feeders, colocated_engine_slots, rank_coordinates
+    from dapo_megatron.weight_sync.roles import sync_roles, sync_traffic
 
     p, r = config.parallel, config.rollout
     if p.num_nodes == 1 or p.device == "cpu":

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from dapo_megatron.sequence_pad import round_up
+from dapo_megatron.config.layout import round_up
 
 
 @dataclass

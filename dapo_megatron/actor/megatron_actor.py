@@ -31,9 +31,9 @@ from dapo_megatron.actor.batch import PolicyBatch, plan_micro_batches
 from dapo_megatron.actor.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from dapo_megatron.algo.loss import dapo_policy_loss
 from dapo_megatron.config import AlgorithmConfig, ModelConfig, ParallelConfig, TrainerConfig, padded_vocab_size
+from dapo_megatron.config.layout import round_up, sequence_pad_multiple
 from dapo_megatron.models.gpt import build_model, output_weight, params_dtype
 from dapo_megatron.runtime.distributed import RuntimeInfo
-from dapo_megatron.sequence_pad import round_up, sequence_pad_multiple
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from dapo_megatron.sequence_pad import round_up
+from dapo_megatron.config.layout import round_up
 
 
 def plan_packed_micro_batches(seq_lengths: list[int], max_tokens: int, pad_multiple: int = 1) -> list[list[int]]:

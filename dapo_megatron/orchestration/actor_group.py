@@ -16,7 +16,7 @@ to all engines, the next bucket packed while they copy; for SGLang's engines, wh
 workers map the memory themselves, into a fresh staging tensor per bucket, serialized
 once for each TP worker and freed once they have loaded it. Separate engines join a
 weight-update group hosted by rank 0 and receive each announced bucket by broadcast
-(NCCL on GPU, gloo on the CPU; :mod:`dapo_megatron.actor.broadcast_sync`). Either way
+(NCCL on GPU, gloo on the CPU; :mod:`dapo_megatron.weight_sync.broadcast`). Either way
 tensors never travel through Ray's object store.
 """
 
@@ -36,7 +36,6 @@ import torch
 from ray.util.placement_group import remove_placement_group
 
 from dapo_megatron.actor.batch import PolicyBatch
-from dapo_megatron.actor.weight_sync import check_feeders, feeder_roles
 from dapo_megatron.config import Config, weight_sync_bound_s
 from dapo_megatron.orchestration.calls import MemberFailed, call_all, cause_of, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
@@ -49,7 +48,8 @@ from dapo_megatron.orchestration.placement import (
     nccl_env_like_sglang,
     rank_options,
 )
-from dapo_megatron.rollout.engine import SyncStats, WeightSyncError, with_last_flag
+from dapo_megatron.weight_sync.bucket import SyncStats, WeightSyncError, with_last_flag
+from dapo_megatron.weight_sync.gather import check_feeders, feeder_roles
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class _BroadcastFanout:
         self.group, self.group_name, self.device = group, group_name, device
 
     def update_weights(self, buckets) -> SyncStats:
-        from dapo_megatron.actor.broadcast_sync import broadcast_buckets
+        from dapo_megatron.weight_sync.broadcast import broadcast_buckets
 
         def announce(names, dtypes, shapes, last):
             return _Waiter(
@@ -224,8 +224,8 @@ class ActorRank:
     ) -> dict:
         """Bring up the runtime and build the actor; returns this rank's RuntimeInfo as a dict."""
         from dapo_megatron.actor.megatron_actor import MegatronActor
-        from dapo_megatron.orchestration.handles import share_storage, use_shareable_cpu_tensors
         from dapo_megatron.runtime.distributed import initialize_runtime
+        from dapo_megatron.weight_sync.handles import share_storage, use_shareable_cpu_tensors
 
         cfg = self.config
         if cores:
@@ -357,8 +357,8 @@ class ActorRank:
         rank feeds (empty unless it is in ``feeders``; ``names``, theirs for errors): by
         handle when they are colocated, by broadcast over a weight-update group hosted by
         rank 0 when they are not."""
-        from dapo_megatron.actor.weight_sync import sync_weights
-        from dapo_megatron.orchestration.handles import SharedBucketBuffer, share_storage
+        from dapo_megatron.weight_sync.gather import sync_weights
+        from dapo_megatron.weight_sync.handles import SharedBucketBuffer, share_storage
 
         fanout = None
         if engines and self.config.rollout.colocate:
@@ -395,8 +395,8 @@ class ActorRank:
         Pieces are views of the parameters, which live in shared memory and keep their
         storage from step to step: their handles are the same every sync, so they are made
         once and resent as they are while the parameters' storage is unchanged."""
-        from dapo_megatron.actor.weight_sync import iter_piece_buckets
-        from dapo_megatron.orchestration.handles import SharedBucketBuffer
+        from dapo_megatron.weight_sync.gather import iter_piece_buckets
+        from dapo_megatron.weight_sync.handles import SharedBucketBuffer
 
         key = (bucket_bytes, tuple(p.untyped_storage().data_ptr() for p in self.actor.gpt.parameters()))
         if self._piece_handles is not None and self._piece_handles[0] == key:
@@ -429,7 +429,7 @@ class ActorRank:
     def _host_update_group(self, engines: list, engine_ranks: int):
         """Rank 0 of a new weight-update group; every engine joins with its offset."""
         from dapo_megatron.runtime.distributed import find_free_port
-        from dapo_megatron.runtime.weight_update_group import init_weight_update_group
+        from dapo_megatron.weight_sync.update_group import init_weight_update_group
 
         address = ray.util.get_node_ip_address()  # the store listens on this address only
         port = find_free_port(address)
@@ -445,7 +445,7 @@ class ActorRank:
 
     def export_hf_weights(self) -> Optional[dict]:
         """The full model in HF names, by value, on rank 0 (tests of small models only)."""
-        from dapo_megatron.actor.weight_sync import iter_weight_buckets
+        from dapo_megatron.weight_sync.gather import iter_weight_buckets
 
         if self.actor.parallel.pp_size != 1:
             raise NotImplementedError("export_hf_weights is for pp_size=1 test models")
@@ -772,7 +772,7 @@ class ActorGroup:
 
     def shutdown(self) -> None:
         """Tear the ranks down and free their placement group."""
-        from dapo_megatron.orchestration.handles import remove_shared_files_of
+        from dapo_megatron.weight_sync.handles import remove_shared_files_of
 
         stop_all(self.ranks, "actor")
         remove_placement_group(self.placement_group)

@@ -183,10 +183,10 @@ def rehearse(
     the map; ``spare_nodes`` for separate engines defaults to :func:`spare_nodes_needed`;
     ``schedule_timeout_s`` to :func:`schedule_bound_s`. Raises what ``train`` would raise
     when something cannot be placed."""
-    from dapo_megatron.actor.weight_sync import check_feeders
     from dapo_megatron.orchestration.actor_group import ActorGroup
     from dapo_megatron.orchestration.rollout import RolloutWorkers
     from dapo_megatron.orchestration.stand_ins import StandInEngine, StandInRank
+    from dapo_megatron.weight_sync.gather import check_feeders
 
     config = rehearsal_config(config)
     parallel = config.parallel
@@ -391,7 +391,7 @@ def _gpu_span(gpus: list[int]) -> str:
 def rehearsed_traffic(rehearsal: Rehearsal, stage_bytes: list[int]) -> dict[int, tuple[int, int]]:
     """Bytes each node sends and receives over the network per weight sync, with the
     rehearsed ranks, nodes and feeders (``stage_bytes``: each stage's weights)."""
-    from dapo_megatron.actor.sync_roles import sync_traffic
+    from dapo_megatron.weight_sync.roles import sync_traffic
 
     ranks = sorted(rehearsal.ranks, key=lambda p: p.rank)
     feeders = {engine.feeder for engine in rehearsal.engines if engine.feeder is not None}

@@ -42,7 +42,9 @@ from dapo_megatron.orchestration.placement import (
     engine_placements,
     engine_start_gpus,
 )
-from dapo_megatron.rollout.engine import Generation, SamplingParams, StreamGroup, WeightSyncError, sampling_seeds
+from dapo_megatron.rollout.engine import Generation, SamplingParams, StreamGroup
+from dapo_megatron.rollout.seeds import sampling_seeds
+from dapo_megatron.weight_sync.bucket import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class EngineWorker:
         weights_dir: Optional[str] = None,
         cores: Optional[list[int]] = None,
     ) -> None:
-        from dapo_megatron.orchestration.handles import BucketReceiver, use_shareable_cpu_tensors
+        from dapo_megatron.weight_sync.handles import BucketReceiver, use_shareable_cpu_tensors
 
         if cores:
             from dapo_megatron.orchestration.cluster import pin_process

@@ -15,12 +15,11 @@ train/rollout consistency metric) measures only numerical mismatch between the t
 from __future__ import annotations
 
 import abc
-import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-import torch
+from dapo_megatron.weight_sync.bucket import SyncStats, WeightBucket, WeightSyncError, with_last_flag
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class SamplingParams:
     derive theirs from it unless ``row_seeds`` is given)."""
     row_seeds: Optional[tuple[int, ...]] = None
     """One seed per response row (prompt-major: the ``n`` rows of prompt 0 first), from
-    :func:`sampling_seeds`: distinct for every (step, round, prompt, sample) of a run. An
+    :func:`~dapo_megatron.rollout.seeds.sampling_seeds`: distinct for every (step, round, prompt, sample) of a run. An
     engine that samples rows with their own seeds (SGLang) uses them; one that seeds a
     whole request (transformers) uses the first."""
 
@@ -52,66 +51,6 @@ class SamplingParams:
                 f"bad sampling parameters: temperature={self.temperature} (>= 0), top_p={self.top_p} "
                 f"(in (0, 1]), max_new_tokens={self.max_new_tokens} (>= 1)"
             )
-
-
-SEED_FIELD_BITS = {"step": 24, "round": 10, "prompt": 17, "sample": 12}
-"""Bits of each field of a row's sampling seed (63 in all: SGLang takes int64 seeds)."""
-
-_MASK63 = (1 << 63) - 1
-
-
-def sampling_seeds(seed: int, step: int, round_index: int, num_prompts: int, n: int) -> tuple[int, ...]:
-    """One sampling seed per response row (prompt-major) of a generation request:
-    (``step``, ``round_index``, prompt index, sample index) packed into 63 bits, then
-    mixed with the run's ``seed`` by a bijection of 63-bit integers (adding a constant,
-    xor-shifts, multiplying by odd numbers). Within a run no two rows of any step or
-    round share a seed, by construction (the old ``seed + row`` / ``+ engine`` /
-    ``+ 1009 * round`` scheme made them overlap); ValueError when a field exceeds its bits."""
-    base, offset = _seed_base(seed, step, round_index, num_prompts - 1, n)
-    return tuple(row_seed for prompt in range(num_prompts) for row_seed in _prompt_seeds(base, offset, prompt, n))
-
-
-def prompt_sampling_seeds(seed: int, step: int, round_index: int, prompt: int, n: int) -> tuple[int, ...]:
-    """The ``n`` seeds of prompt ``prompt`` alone, the same as :func:`sampling_seeds`'s
-    rows ``prompt * n`` to ``(prompt + 1) * n`` of a request of any number of prompts
-    beyond it, computed in O(n) (a streamed draw is one prompt of a round)."""
-    base, offset = _seed_base(seed, step, round_index, prompt, n)
-    return _prompt_seeds(base, offset, prompt, n)
-
-
-def _seed_base(seed: int, step: int, round_index: int, last_prompt: int, n: int) -> tuple[int, int]:
-    """The packed (step, round) bits and the run seed's offset, after checking every field
-    (prompt indices up to ``last_prompt``) fits its bits."""
-    fields = {"step": step, "round": round_index, "prompt": last_prompt, "sample": n - 1}
-    for name, value in fields.items():
-        if not 0 <= value < 1 << SEED_FIELD_BITS[name]:
-            raise ValueError(
-                f"sampling seeds: {name} {value} is outside 0..{(1 << SEED_FIELD_BITS[name]) - 1} (a run's seeds "
-                "pack step, round, prompt and sample into 63 bits); use fewer steps, generation rounds, prompts per "
-                "round or samples per prompt"
-            )
-    base = ((step << SEED_FIELD_BITS["round"]) | round_index) << (SEED_FIELD_BITS["prompt"] + SEED_FIELD_BITS["sample"])
-    return base, (seed * 0x9E3779B97F4A7C15) & _MASK63
-
-
-def _prompt_seeds(base: int, offset: int, prompt: int, n: int) -> tuple[int, ...]:
-    row = base | (prompt << SEED_FIELD_BITS["sample"])
-    return tuple(_mix63((row | sample) + offset) for sample in range(n))
-
-
-def continuation_seed(seed: int, length: int) -> int:
-    """The sampling seed of a streamed row with seed ``seed`` once it holds ``length``
-    tokens (``seed`` itself while it holds none): a continuation, after an abort or a
-    chunk, samples from a seed of its own, set by the row's seed and its token count."""
-    return seed if length == 0 else _mix63(seed ^ (length * 0x9E3779B97F4A7C15))
-
-
-def _mix63(x: int) -> int:
-    """A bijection of 63-bit integers (splitmix64's finaliser, reduced mod 2**63)."""
-    x &= _MASK63
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK63
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK63
-    return x ^ (x >> 31)
 
 
 @dataclass
@@ -175,81 +114,6 @@ class StreamGroup:
     def num_tokens(self) -> int:
         """Response tokens generated so far, all rows."""
         return sum(len(row.token_ids) for row in self.rows)
-
-
-@dataclass
-class WeightBucket:
-    """A group of HF-named tensors sent together.
-
-    The tensors may be views of the sender's live weights: an engine copies what it keeps
-    before ``update_weights`` returns and never holds on to the bucket's tensors.
-    """
-
-    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    """``(hf_name, tensor)`` pairs."""
-    offsets: list[tuple[int, ...]] = field(default_factory=list)
-    """Empty: every tensor is whole. Otherwise one per tensor: the tensor is a *piece* of
-    the HF tensor, starting at this index in every dimension (one tensor-parallel rank's
-    shard; engines that accept pieces say so with ``accepts_pieces``)."""
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of tensor data in the bucket."""
-        return sum(t.nbytes for _, t in self.tensors)
-
-
-def flat_bucket(flat: torch.Tensor, layout, entry=None) -> dict:
-    """A packed bucket as one flat ``uint8`` tensor and each tensor's byte range in it:
-    ``{"flattened_tensor": flat, "metadata": [entry(name=, shape=, dtype=, start_idx=,
-    end_idx=, numel=)]}``, the ``flattened_bucket`` payload SGLang 0.5.23's TP workers
-    take (``entry``: its ``FlattenedTensorMetadata``; a ``SimpleNamespace`` by default).
-    ``layout``: ``(name, shape, dtype, buffer_index, byte_offset)`` as the orchestration's
-    ``BucketHandle`` holds it; ``numel`` counts bytes, as SGLang's own flattened buckets do."""
-    entry = entry or types.SimpleNamespace
-    metadata = []
-    for name, shape, dtype, _, offset in layout:
-        size = torch.Size(shape).numel() * dtype.itemsize
-        metadata.append(
-            entry(name=name, shape=torch.Size(shape), dtype=dtype, start_idx=offset, end_idx=offset + size, numel=size)
-        )
-    return {"flattened_tensor": flat, "metadata": metadata}
-
-
-def unflatten_bucket(payload: dict) -> list[tuple[str, torch.Tensor]]:
-    """The named tensors of a :func:`flat_bucket` payload, as views of its flat tensor
-    (what an engine worker reads: each tensor's byte range, as its dtype and shape)."""
-    flat = payload["flattened_tensor"]
-    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).view(m.shape)) for m in payload["metadata"]]
-
-
-@dataclass
-class SyncStats:
-    """What one weight update moved."""
-
-    seconds: float
-    """Wall time from the first bucket to the last tensor in use."""
-    num_bytes: int
-    """Bytes of tensor data received."""
-    num_tensors: int
-    """Tensors received."""
-    num_buckets: int
-    """Buckets received."""
-
-
-def with_last_flag(buckets: Iterable[WeightBucket]) -> Iterator[tuple[WeightBucket, bool]]:
-    """``(bucket, is_last)`` pairs, holding one bucket back so the last one is known
-    (engines flush their KV cache after it)."""
-    pending: Optional[WeightBucket] = None
-    for bucket in buckets:
-        if pending is not None:
-            yield pending, False
-        pending = bucket
-    if pending is not None:
-        yield pending, True
-
-
-class WeightSyncError(RuntimeError):
-    """A weight update failed; the engine still serves its previous weights."""
 
 
 class RolloutEngine(abc.ABC):

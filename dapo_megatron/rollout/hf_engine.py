@@ -27,16 +27,9 @@ import torch
 
 from dapo_megatron.ckpt.mapping import ModelShape, fused_expert_param, fused_expert_view, hf_shapes
 from dapo_megatron.families import DEFAULT_MODEL_TYPE, family_named
-from dapo_megatron.rollout.engine import (
-    Generation,
-    RolloutEngine,
-    SamplingParams,
-    StreamGroup,
-    SyncStats,
-    WeightBucket,
-    WeightSyncError,
-    continuation_seed,
-)
+from dapo_megatron.rollout.engine import Generation, RolloutEngine, SamplingParams, StreamGroup
+from dapo_megatron.rollout.seeds import continuation_seed
+from dapo_megatron.weight_sync.bucket import SyncStats, WeightBucket, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +380,7 @@ class HFRolloutEngine(RolloutEngine):
     ) -> None:
         """Join the separate group a trainer-side sender broadcasts weights over (the same
         protocol as SGLang's engines: gloo on a CPU, NCCL on a GPU)."""
-        from dapo_megatron.runtime.weight_update_group import init_weight_update_group
+        from dapo_megatron.weight_sync.update_group import init_weight_update_group
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self._update_group = init_weight_update_group(

@@ -90,18 +90,9 @@ from typing import Any, Optional
 
 import torch
 
-from dapo_megatron.rollout.engine import (
-    Generation,
-    RolloutEngine,
-    SamplingParams,
-    StreamGroup,
-    SyncStats,
-    WeightBucket,
-    WeightSyncError,
-    continuation_seed,
-    flat_bucket,
-    with_last_flag,
-)
+from dapo_megatron.rollout.engine import Generation, RolloutEngine, SamplingParams, StreamGroup
+from dapo_megatron.rollout.seeds import continuation_seed
+from dapo_megatron.weight_sync.bucket import SyncStats, WeightBucket, WeightSyncError, flat_bucket, with_last_flag
 
 logger = logging.getLogger(__name__)
 

@@ -342,10 +342,10 @@ def _sampled_batch(rows: list[tuple[list[int], list[int], list[float]]]) -> tupl
 
 def sync_generate_train(workdir: str, tp_size: int, pp_size: int) -> None:
     """Sync to a transformers engine, generate, compare log-probs, train, sync again."""
-    from dapo_megatron.actor.weight_sync import sync_weights
     from dapo_megatron.algo.metrics import rollout_consistency
     from dapo_megatron.rollout.engine import SamplingParams
     from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+    from dapo_megatron.weight_sync.gather import sync_weights
 
     cfg = actor_config(tp_size, pp_size, lr=1e-2)
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
@@ -389,8 +389,8 @@ def sync_generate_train(workdir: str, tp_size: int, pp_size: int) -> None:
 def sync_every_rank_feeds(workdir: str) -> None:
     """tp 1 x pp 2 x dp 2: each of the 4 ranks feeds an engine of its own (as on 4 nodes).
     Writes each engine's weights and the bytes each rank sent to other feeders."""
-    from dapo_megatron.actor.weight_sync import sync_weights
     from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+    from dapo_megatron.weight_sync.gather import sync_weights
 
     cfg = actor_config(1, 2, dp_size=2)
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
@@ -419,10 +419,10 @@ def bf16_sync_train_and_resume(workdir: str, tp_size: int, dp_size: int) -> None
     sync into a bf16 transformers engine (its weights and the actor's HF export saved);
     engine-vs-actor log-probs of sampled responses; three steps, a checkpoint, a fourth
     step; then a new actor resumed from the checkpoint takes the fourth step again."""
-    from dapo_megatron.actor.weight_sync import iter_hf_tensors, sync_weights
     from dapo_megatron.algo.metrics import rollout_consistency
     from dapo_megatron.rollout.engine import SamplingParams
     from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+    from dapo_megatron.weight_sync.gather import iter_hf_tensors, sync_weights
 
     cfg = actor_config(tp_size, 1, dp_size=dp_size, lr=5e-3, lr_warmup_steps=5)
     cfg.model.params_dtype = "bfloat16"

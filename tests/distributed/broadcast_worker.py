@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from dapo_megatron.actor.broadcast_sync import broadcast_buckets, init_weight_update_group
-from dapo_megatron.rollout.engine import WeightBucket
+from dapo_megatron.weight_sync.broadcast import broadcast_buckets, init_weight_update_group
+from dapo_megatron.weight_sync.bucket import WeightBucket
 
 
 def weights() -> dict[str, torch.Tensor]:

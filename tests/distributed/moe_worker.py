@@ -11,9 +11,9 @@ import torch
 from dapo_megatron.actor.batch import shard_for_data_parallel
 from dapo_megatron.actor.checkpoint import list_checkpoints, load_checkpoint, load_model_weights, save_checkpoint
 from dapo_megatron.actor.megatron_actor import MegatronActor
-from dapo_megatron.actor.weight_sync import sync_weights
 from dapo_megatron.rollout.hf_engine import HFRolloutEngine
 from dapo_megatron.runtime.distributed import megatron_runtime
+from dapo_megatron.weight_sync.gather import sync_weights
 from tests.distributed.actor_worker import actor_config, set_family
 from tests.distributed.reference_worker import NUM_MINI_BATCHES, VOCAB, old_log_probs_as_trained, reference_batch
 
@@ -70,7 +70,7 @@ def sync_both_ways(workdir: str, family: str, tp_size: int, ep_size: int, dp_siz
     import torch.distributed as dist
 
     from dapo_megatron.actor.checkpoint import load_hf_model_weights
-    from dapo_megatron.actor.weight_sync import iter_piece_buckets
+    from dapo_megatron.weight_sync.gather import iter_piece_buckets
 
     cfg = actor_config(tp_size, 1, dp_size=dp_size, vocab_size=VOCAB, micro_batch_max_tokens=24)
     set_family(cfg, family, ep_size)
@@ -88,7 +88,7 @@ def sync_both_ways(workdir: str, family: str, tp_size: int, ep_size: int, dp_siz
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         if info.rank == 0:
-            from dapo_megatron.rollout.engine import WeightBucket
+            from dapo_megatron.weight_sync.bucket import WeightBucket
 
             by_pieces = HFRolloutEngine.from_model_config(cfg.model)
             by_pieces.begin_weight_update()

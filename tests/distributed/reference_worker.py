@@ -20,8 +20,8 @@ from dapo_megatron.actor.batch import data_parallel_rows, shard_for_data_paralle
 from dapo_megatron.actor.checkpoint import load_hf_model_weights, load_reference_weights
 from dapo_megatron.actor.megatron_actor import MegatronActor
 from dapo_megatron.actor.packing import packed_seq_params
-from dapo_megatron.actor.weight_sync import iter_hf_tensors
 from dapo_megatron.runtime.distributed import megatron_runtime
+from dapo_megatron.weight_sync.gather import iter_hf_tensors
 from tests.distributed.actor_worker import actor_config, make_batch, set_family
 
 VOCAB = 120

@@ -194,7 +194,7 @@ def uninterrupted(tiny_model, tmp_path_factory) -> tuple[Path, dict]:
     test comparing with an uninterrupted run reads): the run folder, and the weights the
     engine served at the end."""
     from dapo_megatron.config import config_from_dict
-    from dapo_megatron.trainer import train
+    from dapo_megatron.run.trainer import train
 
     whole = tmp_path_factory.mktemp("whole") / "run"
     seen = {}

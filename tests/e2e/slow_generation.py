@@ -12,7 +12,7 @@ import time
 
 from dapo_megatron import cli
 from dapo_megatron.orchestration.rollout import RolloutWorkers
-from dapo_megatron.step import Stepper
+from dapo_megatron.run.step import Stepper
 
 HANG_S = 120.0
 _current = {"step": 0}

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dapo_megatron.step as step_module
+import dapo_megatron.run.step as step_module
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.orchestration.actor_group import ActorGroup
-from dapo_megatron.step import Stepper
-from dapo_megatron.trainer import train
+from dapo_megatron.run.step import Stepper
+from dapo_megatron.run.trainer import train
 from tests.e2e.conftest import run_config
 
 CAP = 1.05  # low enough that some weights are capped

@@ -17,7 +17,7 @@ import yaml
 from dapo_megatron.ckpt.dcp_io import latest_checkpoint
 from dapo_megatron.cli import main
 from dapo_megatron.config import config_from_dict
-from dapo_megatron.trainer import TRAINER_STATE, TrainingDiverged, train
+from dapo_megatron.run.trainer import TRAINER_STATE, TrainingDiverged, train
 from tests.e2e.conftest import REPO, run_config
 
 FOUR_STEPS = {
@@ -132,7 +132,7 @@ def _from_step(step: int, monkeypatch, action) -> None:
     """Call ``action(engines)`` once, when step ``step`` starts generating (before its
     first generation call reaches the engines)."""
     from dapo_megatron.orchestration.rollout import RolloutWorkers
-    from dapo_megatron.step import Stepper
+    from dapo_megatron.run.step import Stepper
 
     current, done = {"step": 0}, []
     real_step_generate, real_generate = Stepper._generate, RolloutWorkers.generate

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from dapo_megatron.config import ConfigError, config_from_dict
-from dapo_megatron.trainer import train
+from dapo_megatron.run.trainer import train
 from tests.e2e.conftest import FOUR_STEPS, run_config, step_metrics
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dapo_megatron.config import config_from_dict
-from dapo_megatron.trainer import train
+from dapo_megatron.run.trainer import train
 from tests.e2e.conftest import run_config
 
 

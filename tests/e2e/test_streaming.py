@@ -12,13 +12,13 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-import dapo_megatron.stream_sampling as stream_sampling
+import dapo_megatron.sampling.streaming as stream_sampling
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.orchestration.cluster import RayCluster
 from dapo_megatron.orchestration.rollout import RolloutWorkers
-from dapo_megatron.step import _collect_groups, check_staleness, load_run_data, training_sampling
-from dapo_megatron.stream_sampling import StreamingSampler
+from dapo_megatron.run.step import _collect_groups, check_staleness, load_run_data, training_sampling
+from dapo_megatron.sampling.streaming import StreamingSampler
 from tests.e2e.conftest import run_config
 
 pytestmark = pytest.mark.timeout(600)

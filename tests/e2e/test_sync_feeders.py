@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo_megatron.actor.weight_sync import feeder_roles
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.orchestration.cluster import RayCluster
 from dapo_megatron.orchestration.rollout import RolloutWorkers
+from dapo_megatron.weight_sync.gather import feeder_roles
 from tests.e2e.conftest import run_config
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from dapo_megatron import cli
 from dapo_megatron.config import config_from_dict
-from dapo_megatron.trainer import train
+from dapo_megatron.run.trainer import train
 from tests.e2e.conftest import assert_loopback_only, listening_sockets, run_config
 
 # Everything the issue lists under "Metrics", as logged every step.

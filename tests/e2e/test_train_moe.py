@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dapo_megatron.config import config_from_dict
-from dapo_megatron.trainer import train
+from dapo_megatron.run.trainer import train
 from tests.e2e.conftest import run_config
 
 

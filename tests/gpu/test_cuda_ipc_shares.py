@@ -50,7 +50,7 @@ def _ref_counter_files() -> int:
 def _payload(flat: torch.Tensor, layout) -> bytes:
     """``sglang_bucket_payload`` without SGLang: the flattened bucket pickled by
     ForkingPickler (one ``_share_cuda_`` of ``flat``)."""
-    from dapo_megatron.rollout.engine import flat_bucket
+    from dapo_megatron.weight_sync.bucket import flat_bucket
 
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump(flat_bucket(flat, layout))
@@ -60,7 +60,7 @@ def _payload(flat: torch.Tensor, layout) -> bytes:
 def _reader(requests, answers) -> None:
     """An engine's TP worker: open each payload once, read each tensor from its byte
     range, answer with the sums (float64: exact for these values), drop everything."""
-    from dapo_megatron.rollout.engine import unflatten_bucket
+    from dapo_megatron.weight_sync.bucket import unflatten_bucket
 
     torch.cuda.init()
     while True:
@@ -76,7 +76,7 @@ def _reader(requests, answers) -> None:
 def _bucket(index: int):
     """Bucket ``index``: two tensors with values fixed by ``index``; every 1,000th is 16
     times larger (the staging grows, then shrinks again)."""
-    from dapo_megatron.rollout.engine import WeightBucket
+    from dapo_megatron.weight_sync.bucket import WeightBucket
 
     n = 4096 if index % 1000 == 999 else 256
     a = torch.arange(n, device="cuda", dtype=torch.float32) + index
@@ -91,7 +91,7 @@ def _sums(index: int) -> list[float]:
 
 def test_a_hundred_thousand_buckets_share_into_a_child_without_piling_up(monkeypatch):
     from dapo_megatron.orchestration import actor_group
-    from dapo_megatron.orchestration.handles import SharedBucketBuffer
+    from dapo_megatron.weight_sync.handles import SharedBucketBuffer
 
     context = multiprocessing.get_context("spawn")
     requests, answers = context.Queue(), context.Queue()
@@ -154,7 +154,7 @@ def test_the_control_one_long_lived_storage_re_shared_piles_up_files():
     keeps every share's ref-counter slot while it lives, so new files (10,000 slots each)
     keep being opened: two more within 25,000 shares. (Unopened, they go to torch's
     limbo when the storage is freed, not through the nested deleters.)"""
-    from dapo_megatron.orchestration.handles import tensor_handle
+    from dapo_megatron.weight_sync.handles import tensor_handle
 
     before = _ref_counter_files()
     buffer = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")

@@ -43,7 +43,7 @@ def test_bf16_chunk_logits_are_the_gemms_fp32_result_on_cuda():
 
 @pytest.mark.timeout(900)
 def test_one_dapo_step_on_cuda_with_the_engine_fed_by_cuda_ipc(tiny_model, tmp_path):  # noqa: F811
-    from dapo_megatron.trainer import train
+    from dapo_megatron.run.trainer import train
 
     seen = {}
 

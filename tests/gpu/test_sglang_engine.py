@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo_megatron.rollout.engine import SamplingParams, WeightBucket
+from dapo_megatron.rollout.engine import SamplingParams
+from dapo_megatron.weight_sync.bucket import WeightBucket
 from tests.unit.test_convert import hf_tensors, make_hf
 
 pytestmark = pytest.mark.gpu

@@ -109,7 +109,7 @@ def test_target_ids_outside_the_vocabulary_are_refused():
 )
 def test_fp8_pads_every_micro_batch_to_16_tokens_per_tp_rank(tp, sequence_parallel, fp8, multiple):
     from dapo_megatron.actor.batch import plan_micro_batches
-    from dapo_megatron.sequence_pad import sequence_pad_multiple
+    from dapo_megatron.config.layout import sequence_pad_multiple
 
     assert sequence_pad_multiple(tp, sequence_parallel, fp8) == multiple
     lengths = [7, 33, 50, 3, 18]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dapo_megatron.trainer import BadStepCounter, TrainingDiverged, bad_metrics
+from dapo_megatron.run.trainer import BadStepCounter, TrainingDiverged, bad_metrics
 
 GOOD = {"actor/loss": 0.1, "actor/grad_norm": 0.5, "actor/nonfinite_updates": 0.0}
 SKIPPED = {"actor/loss": math.nan, "actor/grad_norm": math.nan, "actor/nonfinite_updates": 2.0}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -477,10 +478,15 @@ def test_padded_vocab_size():
 
 
 def test_every_field_has_a_docstring():
-    tree = ast.parse(Path(config_module.__file__).read_text())
     sections = [c for c in vars(config_module).values() if dataclasses.is_dataclass(c) and isinstance(c, type)]
     assert Config in sections and len(sections) == 10
-    for node in tree.body:
+    nodes = [
+        node
+        for module in {inspect.getsourcefile(c) for c in sections}
+        for node in ast.parse(Path(module).read_text()).body
+    ]
+    checked = set()
+    for node in nodes:
         if not (isinstance(node, ast.ClassDef) and any(node.name == c.__name__ for c in sections)):
             continue
         body = node.body
@@ -489,6 +495,8 @@ def test_every_field_has_a_docstring():
                 following = body[i + 1] if i + 1 < len(body) else None
                 is_doc = isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant)
                 assert is_doc, f"{node.name}.{stmt.target.id} has no docstring"
+        checked.add(node.name)
+    assert checked == {c.__name__ for c in sections}
 
 
 def test_cli_config_prints_resolved_yaml(capsys):
@@ -603,8 +611,8 @@ def test_one_full_sequence_must_fit_a_micro_batch_after_the_actors_rounding(tmp_
         "set trainer.micro_batch_max_tokens to at least 192"
     )
     # The actor's functions are validation's (one rounding, not two copies of it) ...
-    from dapo_megatron import sequence_pad
     from dapo_megatron.actor import batch, megatron_actor, packing
+    from dapo_megatron.config import layout as sequence_pad
 
     assert megatron_actor.sequence_pad_multiple is sequence_pad.sequence_pad_multiple
     assert megatron_actor.round_up is packing.round_up is batch.round_up is sequence_pad.round_up

@@ -9,7 +9,7 @@ import torch
 from dapo_megatron.algo import group_advantages, group_advantages_by_id
 from dapo_megatron.config import AlgorithmConfig
 from dapo_megatron.data import Prompt
-from dapo_megatron.experience import Sample, build_policy_batch, validation_metrics
+from dapo_megatron.sampling.samples import Sample, build_policy_batch, validation_metrics
 
 
 def _samples(num_prompts=4, n=4, seed=0):
@@ -61,7 +61,7 @@ def test_validation_avg_and_pass_at_k_per_source():
 
 
 def test_groups_with_an_aborted_response_are_dropped_whole():
-    from dapo_megatron.experience import drop_aborted_groups
+    from dapo_megatron.sampling.samples import drop_aborted_groups
 
     samples = _samples(num_prompts=3, n=4)
     samples[5].finish_reason = "abort"  # group (0, 1)

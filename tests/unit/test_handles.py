@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from dapo_megatron.orchestration.handles import (
+from dapo_megatron.weight_sync.bucket import WeightBucket
+from dapo_megatron.weight_sync.handles import (
     BucketReceiver,
     SharedBucketBuffer,
     remove_shared_files_of,
     share_storage,
     tensor_handle,
 )
-from dapo_megatron.rollout.engine import WeightBucket
 
 
 def _child(handle, queue):
@@ -145,8 +145,8 @@ def test_each_serialized_bucket_is_shared_once_per_reader_and_freed_after_it(mon
     flattened_bucket path does; every staging tensor is freed once its readers are done,
     and no shared-memory file is left behind."""
     from dapo_megatron.orchestration import actor_group
-    from dapo_megatron.rollout.engine import unflatten_bucket
     from dapo_megatron.rollout.sglang_engine import sglang_bucket_payload
+    from dapo_megatron.weight_sync.bucket import unflatten_bucket
 
     _stand_in_sglang(monkeypatch)
     shares: list[int] = []  # the storage (data pointer) of every share torch makes

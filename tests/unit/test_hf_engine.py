@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dapo_megatron.config import ModelConfig
-from dapo_megatron.rollout.engine import SamplingParams, WeightBucket, WeightSyncError
+from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+from dapo_megatron.weight_sync.bucket import WeightBucket, WeightSyncError
 
 
 def tiny_model(vocab=60, tied=False) -> ModelConfig:

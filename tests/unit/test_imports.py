@@ -95,12 +95,12 @@ def _is_package(name: str) -> bool:
 
 def test_only_the_command_line_imports_the_trainer():
     graph = import_graph()
-    importers = sorted(name for name, targets in graph.items() if "dapo_megatron.trainer" in targets)
+    importers = sorted(name for name, targets in graph.items() if "dapo_megatron.run.trainer" in targets)
     assert importers == ["dapo_megatron.cli"]
     # Where the trainer's helpers went: evaluation with evaluation, the initial weights
     # with the system's start, the export with the checkpoint code.
-    assert "dapo_megatron.step" in graph["dapo_megatron.bench.run"]
-    assert "dapo_megatron.ckpt.convert" in graph["dapo_megatron.evaluation"]
+    assert "dapo_megatron.run.step" in graph["dapo_megatron.bench.run"]
+    assert "dapo_megatron.ckpt.convert" in graph["dapo_megatron.run.evaluation"]
 
 
 def test_no_module_imports_itself_around_a_circle():

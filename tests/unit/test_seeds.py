@@ -10,9 +10,10 @@ import pytest
 
 from dapo_megatron.config import Config, ConfigError
 from dapo_megatron.orchestration.rollout import engine_shares
-from dapo_megatron.rollout.engine import SamplingParams, sampling_seeds
+from dapo_megatron.rollout.engine import SamplingParams
+from dapo_megatron.rollout.seeds import sampling_seeds
 from dapo_megatron.rollout.sglang_engine import row_sampling_params
-from dapo_megatron.trainer import RESUME_KEYS, _check_resumable, _setting
+from dapo_megatron.run.trainer import RESUME_KEYS, _check_resumable, _setting
 
 
 def _old_scheme(seed: int, step: int, round_index: int, rows_per_engine: int, num_engines: int) -> list[int]:
@@ -84,8 +85,8 @@ def test_a_streamed_draw_computes_only_its_own_rows_seeds(monkeypatch):
     from types import SimpleNamespace
 
     from dapo_megatron.data.prompts import Prompt
-    from dapo_megatron.rollout import engine as engine_module
-    from dapo_megatron.stream_sampling import KEY_STEP_SHIFT, StreamingSampler
+    from dapo_megatron.rollout import seeds as seeds_module
+    from dapo_megatron.sampling.streaming import KEY_STEP_SHIFT, StreamingSampler
 
     def sampler(seed: int, n: int, gen_batch_size: int):
         rollout = SimpleNamespace(seed=seed, n_samples_per_prompt=n)
@@ -102,11 +103,11 @@ def test_a_streamed_draw_computes_only_its_own_rows_seeds(monkeypatch):
             assert [row.seed for row in group.rows] == list(full[position * 3 : (position + 1) * 3])
             assert group.key == step << KEY_STEP_SHIFT | index
     # The work per draw: one mix per row, at the last draw of a 1,536-prompt round too.
-    real_mix, calls = engine_module._mix63, []
-    monkeypatch.setattr(engine_module, "_mix63", lambda x: calls.append(x) or real_mix(x))
+    real_mix, calls = seeds_module._mix63, []
+    monkeypatch.setattr(seeds_module, "_mix63", lambda x: calls.append(x) or real_mix(x))
     group = StreamingSampler._new_group(sampler(99, 16, 1536), 4, 2 * 1536 + 1535, prompt).group
     assert len(calls) == 16
-    monkeypatch.setattr(engine_module, "_mix63", real_mix)
+    monkeypatch.setattr(seeds_module, "_mix63", real_mix)
     assert [row.seed for row in group.rows] == list(sampling_seeds(99, 4, 2, 1536, 16)[1535 * 16 :])
     # Out-of-range fields are refused as for a round's seeds.
     with pytest.raises(ValueError, match="round 1024 is outside"):
@@ -119,4 +120,4 @@ def test_a_streamed_draw_computes_only_its_own_rows_seeds(monkeypatch):
         5876359748925259714,
         2393014427562856502,
     )
-    assert engine_module.prompt_sampling_seeds(1234, 5, 1, 1, 2) == (5876359748925259714, 2393014427562856502)
+    assert seeds_module.prompt_sampling_seeds(1234, 5, 1, 1, 2) == (5876359748925259714, 2393014427562856502)

@@ -166,8 +166,8 @@ def test_broadcast_protocol_matches_sglangs_receiver():
     assert "PrefixStore(group_name, store)" in group_helper
     import torch
 
-    from dapo_megatron.actor.broadcast_sync import bucket_metadata
-    from dapo_megatron.rollout.engine import WeightBucket
+    from dapo_megatron.weight_sync.broadcast import bucket_metadata
+    from dapo_megatron.weight_sync.bucket import WeightBucket
 
     names, dtypes, shapes = bucket_metadata(WeightBucket([("a", torch.zeros(2, 3, dtype=torch.bfloat16))]))
     assert (names, dtypes, shapes) == (["a"], ["bfloat16"], [[2, 3]]) and getattr(torch, dtypes[0]) is torch.bfloat16
@@ -367,7 +367,7 @@ def test_tp_workers_load_their_own_flattened_bucket_payload():
     the metadata class through."""
     import torch
 
-    from dapo_megatron.rollout.engine import flat_bucket
+    from dapo_megatron.weight_sync.bucket import flat_bucket
 
     engine = ast.unparse(_functions("sglang/srt/entrypoints/engine.py")["_serialize_tensors_per_rank"])
     assert "if load_format == 'flattened_bucket':" in engine

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from dapo_megatron.rollout import sglang_engine
-from dapo_megatron.rollout.engine import SamplingParams, WeightBucket, WeightSyncError
+from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine, row_sampling_params
+from dapo_megatron.weight_sync.bucket import WeightBucket, WeightSyncError
 
 
 class StandInEngine:
@@ -292,7 +293,7 @@ def _payload(flat, layout) -> bytes:
     import io
     from multiprocessing.reduction import ForkingPickler
 
-    from dapo_megatron.rollout.engine import flat_bucket
+    from dapo_megatron.weight_sync.bucket import flat_bucket
 
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump(flat_bucket(flat, layout))
@@ -306,8 +307,8 @@ def test_colocated_buckets_reach_every_tp_worker_as_the_senders_flattened_bucket
     deserialize_own_rank) and reads each tensor from its byte range: the sender's tensors."""
     import pickle
 
-    from dapo_megatron.orchestration.handles import SharedBucketBuffer
-    from dapo_megatron.rollout.engine import unflatten_bucket
+    from dapo_megatron.weight_sync.bucket import unflatten_bucket
+    from dapo_megatron.weight_sync.handles import SharedBucketBuffer
 
     loaded = {}
 
@@ -343,7 +344,7 @@ def test_every_cuda_ipc_share_is_opened_by_exactly_one_tp_worker(monkeypatch):
     gets every bucket; one share per bucket and worker (24), not one per tensor and
     worker. Stand-in readers take the engine worker's path."""
     from dapo_megatron.orchestration import actor_group
-    from dapo_megatron.orchestration.handles import SharedBucketBuffer
+    from dapo_megatron.weight_sync.handles import SharedBucketBuffer
 
     shares: list[bytes] = []
     layouts: dict[bytes, list[str]] = {}
@@ -406,7 +407,8 @@ def test_streamed_rows_are_requests_of_their_own_and_come_back_as_groups(engine)
 
 
 def test_an_abort_hands_back_prefixes_that_continue_as_new_requests(engine):
-    from dapo_megatron.rollout.engine import StreamGroup, StreamRow, continuation_seed
+    from dapo_megatron.rollout.engine import StreamGroup, StreamRow
+    from dapo_megatron.rollout.seeds import continuation_seed
 
     engine.stream_wait_s = 0.02
     params = SamplingParams(temperature=1.0, max_new_tokens=10_000)

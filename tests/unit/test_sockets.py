@@ -27,7 +27,7 @@ from dapo_megatron.runtime.distributed import (
     rendezvous_from_env,
     rendezvous_store,
 )
-from dapo_megatron.runtime.weight_update_group import init_weight_update_group
+from dapo_megatron.weight_sync.update_group import init_weight_update_group
 
 TIMEOUT = datetime.timedelta(seconds=60)
 NOT_OURS = "203.0.113.7"  # TEST-NET-3: never an address of this machine

@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
-from dapo_megatron.rollout.engine import SamplingParams, StreamGroup, StreamRow, sampling_seeds
+from dapo_megatron.rollout.engine import SamplingParams, StreamGroup, StreamRow
 from dapo_megatron.rollout.hf_engine import HFRolloutEngine
+from dapo_megatron.rollout.seeds import sampling_seeds
 from tests.unit.test_hf_engine import buckets_of, tiny_model
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(7,))
@@ -103,7 +104,7 @@ def test_a_response_stops_at_its_limit_even_inside_a_chunk(engine):
 
 def test_groups_go_in_contiguous_shares_when_all_is_idle_then_to_the_least_busy_engine():
     from dapo_megatron.data import Prompt
-    from dapo_megatron.stream_sampling import _assign, _Open
+    from dapo_megatron.sampling.streaming import _assign, _Open
 
     def item(key, tokens=0):
         rows = [StreamRow(key * 10 + i, [5] * tokens, [-1.0] * tokens, [0] * tokens) for i in range(2)]
@@ -186,7 +187,7 @@ def test_a_group_that_completed_before_the_abort_is_scored_not_counted_as_aborte
     ``carry_over``, trimmed without), never counted as aborted nor held over as partial;
     only group 2 is."""
     from dapo_megatron.config import config_from_dict
-    from dapo_megatron.stream_sampling import StreamingSampler
+    from dapo_megatron.sampling.streaming import StreamingSampler
     from tests.unit.test_config import tiny
 
     rollout = {"streaming": True, "n_samples_per_prompt": 2, "max_prompts_in_flight": 3}

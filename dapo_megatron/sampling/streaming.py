@@ -36,8 +36,9 @@ import torch
 from dapo_megatron.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_megatron.config import Config
 from dapo_megatron.data import Prompt
-from dapo_megatron.experience import Sample, apply_rewards, response_metrics, samples_from_record, samples_record
-from dapo_megatron.rollout.engine import SamplingParams, StreamGroup, StreamRow, prompt_sampling_seeds
+from dapo_megatron.rollout.engine import SamplingParams, StreamGroup, StreamRow
+from dapo_megatron.rollout.seeds import prompt_sampling_seeds
+from dapo_megatron.sampling.samples import Sample, apply_rewards, response_metrics, samples_from_record, samples_record
 
 KEY_STEP_SHIFT = 32
 """A group's key is ``step << KEY_STEP_SHIFT | draw index within the step``."""

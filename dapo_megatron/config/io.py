@@ -182,3 +182,23 @@ def apply_override(config: Any, override: str) -> None:
                 f"{COMMAND_LINE}: {dotted}={text} has the wrong type: expected {_type_name(tp)}"
             ) from None
     setattr(target, name, value)
+
+
+class ValueSources:
+    """Tells where the values of some dotted keys came from: the file, the command line, or
+    both. Keys left at their defaults or read from the model's ``config.json`` (which the
+    user does not edit) count as the default source, the config file."""
+
+    def __init__(self, sources: dict[str, str], default: str) -> None:
+        self.sources = sources
+        self.default = default
+
+    def __call__(self, *keys: str) -> str:
+        """One source by name; several, each with its keys: ``command line (a.b) and run.yaml (c.d)``."""
+        by_source: dict[str, list[str]] = {}
+        for key in keys:
+            if key in self.sources:
+                by_source.setdefault(self.sources[key], []).append(key)
+        if len(by_source) <= 1:
+            return next(iter(by_source), self.default)
+        return " and ".join(f"{source} ({', '.join(names)})" for source, names in by_source.items())

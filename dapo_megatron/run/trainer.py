@@ -7,7 +7,7 @@ dynamic sampling keeps groups whose answers disagree and draws more rounds until
 the actor; ``train_batch_size * n / mini_batch_size`` DAPO updates; weight sync into
 every engine; metrics; a checkpoint every ``checkpoint.save_every`` steps.
 
-Steps 1-6 of a step are :class:`dapo_megatron.step.Stepper` (shared with ``bench``);
+Steps 1-6 of a step are :class:`dapo_megatron.run.step.Stepper` (shared with ``bench``);
 this module runs the steps and what surrounds them: data, resume, validation,
 checkpoints, preemption, the bad-step stop and the final export. Where work runs is
 hidden behind three objects: ``actor`` (the Megatron ranks), ``engines`` (the rollout
@@ -33,12 +33,12 @@ from dapo_megatron.actor.checkpoint import checkpoint_dir, list_checkpoints, poi
 from dapo_megatron.ckpt.convert import export_hf
 from dapo_megatron.ckpt.dcp_io import LATEST, checkpoint_problem, latest_checkpoint
 from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir, source_of
-from dapo_megatron.evaluation import evaluate_policy
-from dapo_megatron.experience import load_samples, save_samples
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.orchestration.rollout import RolloutWorkers
-from dapo_megatron.preflight import preflight
-from dapo_megatron.step import (
+from dapo_megatron.run.evaluation import evaluate_policy
+from dapo_megatron.run.metrics_log import MetricsLogger
+from dapo_megatron.run.preflight import preflight
+from dapo_megatron.run.step import (
     GenerationAheadFailed,
     Stepper,
     StopNow,
@@ -48,7 +48,7 @@ from dapo_megatron.step import (
     start_system,
     training_sampling,
 )
-from dapo_megatron.tracking import MetricsLogger
+from dapo_megatron.sampling.samples import load_samples, save_samples
 
 logger = logging.getLogger(__name__)
 
@@ -349,11 +349,11 @@ TRAINER_STATE = "trainer_state.json"
 
 STREAM_STATE = "stream_state.pt"
 """Streamed generation: the groups carried over and the partial responses in flight, in
-each checkpoint of a run that streams (see :class:`dapo_megatron.stream_sampling.StreamingSampler`)."""
+each checkpoint of a run that streams (see :class:`dapo_megatron.sampling.streaming.StreamingSampler`)."""
 
 GENERATED_AHEAD = "generated_ahead.pt"
 """Async generation: the next step's batch, in each checkpoint that has one (binary,
-written once by the driver; see :func:`dapo_megatron.experience.save_samples`)."""
+written once by the driver; see :func:`dapo_megatron.sampling.samples.save_samples`)."""
 
 RESUME_KEYS = (
     "data.seed",

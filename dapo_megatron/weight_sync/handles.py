@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as torch_mp
 
-from dapo_megatron.rollout.engine import WeightBucket
+from dapo_megatron.weight_sync.bucket import WeightBucket
 
 
 def remove_shared_files_of(pids: list[int]) -> int:

@@ -45,7 +45,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.actor.sync_roles import SyncRoles, check_feeders, feeder_roles, sync_roles
 from dapo_megatron.ckpt.mapping import (
     EMBEDDING,
     FINAL_NORM,
@@ -59,7 +58,8 @@ from dapo_megatron.ckpt.mapping import (
     to_hf,
 )
 from dapo_megatron.models.gpt import local_expert_of
-from dapo_megatron.rollout.engine import RolloutEngine, SyncStats, WeightBucket, WeightSyncError
+from dapo_megatron.weight_sync.bucket import SyncStats, WeightBucket, WeightSink, WeightSyncError
+from dapo_megatron.weight_sync.roles import SyncRoles, check_feeders, feeder_roles, sync_roles
 
 __all__ = ["check_feeders", "feeder_roles", "sync_weights"]
 
@@ -260,7 +260,7 @@ def _roles(actor) -> SyncRoles:
 
 def sync_weights(
     actor,
-    engine: Optional[RolloutEngine],
+    engine: Optional[WeightSink],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     feeders: tuple[int, ...] = (0,),
 ) -> Optional[SyncStats]:

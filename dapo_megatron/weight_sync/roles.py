@@ -2,7 +2,7 @@
 
 A weight sync gathers each pipeline stage's tensor-parallel shards onto the stage's
 *leader* (tensor-parallel rank 0) and streams the stages to the *feeders*, the ranks that
-hand the engines their buckets (:mod:`dapo_megatron.actor.weight_sync`). Every
+hand the engines their buckets (:mod:`dapo_megatron.weight_sync.gather`). Every
 data-parallel replica holds the whole model, so a feeder is fed by its own replica's
 leaders only. These rules are shared by the sync itself, by the orchestration that picks
 feeders, and by ``plan`` and the placement rehearsal, which state the bytes every node

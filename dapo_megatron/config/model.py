@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from dapo_megatron.config_io import COMMAND_LINE, ConfigError
+from dapo_megatron.config.io import COMMAND_LINE, ConfigError
 from dapo_megatron.families import DEFAULT_MODEL_TYPE, families, family_named
 
 
@@ -120,7 +120,7 @@ _HF_KEYS = {
     "tie_word_embeddings": "tie_word_embeddings",
 }
 
-_SHAPE_FIELDS = tuple(_HF_KEYS)
+SHAPE_FIELDS = tuple(_HF_KEYS)
 
 # Mixture-of-experts fields -> HF config.json keys (the first one present is read);
 # read, and required, only for a family with experts.
@@ -262,7 +262,7 @@ def resolve_model_shape(model: ModelConfig, where: Any = None) -> None:
         model.head_dim = model.hidden_size // model.num_attention_heads
     if model.moe_aux_loss_coeff is None:
         model.moe_aux_loss_coeff = 0.0
-    required = [name for name in _SHAPE_FIELDS if name != "head_dim"]
+    required = [name for name in SHAPE_FIELDS if name != "head_dim"]
     if model.family in families() and family_named(model.family).moe:
         required += MOE_FIELDS
     missing = [name for name in required if getattr(model, name) is None]

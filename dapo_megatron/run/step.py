@@ -38,7 +38,14 @@ from dapo_megatron.data import (
     validation_dataset,
     warn_if_prompts_lose_text,
 )
-from dapo_megatron.experience import (
+from dapo_megatron.orchestration.actor_group import ActorGroup
+from dapo_megatron.orchestration.calls import cause_of
+from dapo_megatron.orchestration.cluster import RayCluster, async_shares_devices
+from dapo_megatron.orchestration.rollout import RolloutWorkers
+from dapo_megatron.rollout.engine import SamplingParams
+from dapo_megatron.rollout.seeds import sampling_seeds
+from dapo_megatron.run.preflight import check_tokenizer_fits
+from dapo_megatron.sampling.samples import (
     Sample,
     apply_rewards,
     build_policy_batch,
@@ -47,13 +54,8 @@ from dapo_megatron.experience import (
     response_metrics,
     samples_from_generations,
 )
-from dapo_megatron.orchestration.actor_group import ActorGroup
-from dapo_megatron.orchestration.calls import cause_of
-from dapo_megatron.orchestration.cluster import RayCluster, async_shares_devices
-from dapo_megatron.orchestration.rollout import RolloutWorkers
-from dapo_megatron.preflight import check_tokenizer_fits
-from dapo_megatron.rollout.engine import SamplingParams, SyncStats, sampling_seeds
-from dapo_megatron.stream_sampling import StreamingSampler
+from dapo_megatron.sampling.streaming import StreamingSampler
+from dapo_megatron.weight_sync.bucket import SyncStats
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +389,7 @@ def _in_background(function, *args) -> Future:
 
 
 class Stepper:
-    """Runs DAPO steps 1-6 (see :mod:`dapo_megatron.trainer`) on a started :class:`System`.
+    """Runs DAPO steps 1-6 (see :mod:`dapo_megatron.run.trainer`) on a started :class:`System`.
 
     In sync mode a step generates its batch, then trains on it. With
     ``trainer.async_generation`` the generation of step k+1's batch (with the weights the

@@ -29,10 +29,10 @@ from typing import Optional
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.ckpt.convert import export_hf
 from dapo_megatron.config import Config, ConfigError, hf_weights_folder
-from dapo_megatron.experience import Sample, validation_metrics
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.rollout.engine import SamplingParams
-from dapo_megatron.step import generate_and_score
+from dapo_megatron.run.step import generate_and_score
+from dapo_megatron.sampling.samples import Sample, validation_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def evaluate(
         engines = RolloutWorkers(config, str(weights))
         stack.callback(engines.shutdown)
         metrics, samples = evaluate_policy(engines, rewards, dataset.prompts, config, tokenizer)
-    from dapo_megatron.experience import problem_results
+    from dapo_megatron.sampling.samples import problem_results
 
     problems = problem_results(samples)
     summary = _summary(metrics, problems, config, source, time.perf_counter() - start, dataset.stats)

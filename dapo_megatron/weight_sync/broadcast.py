@@ -21,8 +21,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.rollout.engine import SyncStats, WeightBucket, with_last_flag
-from dapo_megatron.runtime.weight_update_group import init_weight_update_group
+from dapo_megatron.weight_sync.bucket import SyncStats, WeightBucket, with_last_flag
+from dapo_megatron.weight_sync.update_group import init_weight_update_group
 
 __all__ = ["broadcast_buckets", "bucket_metadata", "init_weight_update_group"]
 
