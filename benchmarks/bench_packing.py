@@ -148,7 +148,7 @@ def measure(args) -> dict:
                 if repeat:
                     results[name]["log_prob_s"].append(log_prob_s)
                     results[name]["train_s"].append(train_s)
-                results[name]["padding_share"] = metrics["padding_share"]
+                results[name]["padding_share"] = metrics.padding_share
                 print(f"  repeat {repeat} {name}: log-probs {log_prob_s:.2f} s, train {train_s:.2f} s", flush=True)
     ordered = sorted(responses)
     workload = {

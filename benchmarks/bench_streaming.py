@@ -205,7 +205,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     from dapo_megatron.config import config_from_dict
     from dapo_megatron.data import PromptLoader
-    from dapo_megatron.run.step import Stepper, load_initial_weights, load_run_data, start_system, training_sampling
+    from dapo_megatron.run.step import Stepper
+    from dapo_megatron.run.system import load_initial_weights, load_run_data, start_system
+    from dapo_megatron.sampling.rounds import training_sampling
 
     work = build_workload(Path(args.work))
     profile = length_profile(work)

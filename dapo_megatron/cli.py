@@ -54,7 +54,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     preflight(config)
     if args.show_prompt is not None:
         from dapo_megatron.data import describe_prompt
-        from dapo_megatron.run.trainer import load_run_data
+        from dapo_megatron.run.system import load_run_data
 
         tokenizer, train_data, _, _ = load_run_data(config)
         print(describe_prompt(train_data, args.show_prompt, tokenizer))
@@ -109,7 +109,8 @@ def _rehearse(config, args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     import logging
 
-    from dapo_megatron.run.trainer import Preempted, TrainingDiverged, train
+    from dapo_megatron.run.signals import Preempted
+    from dapo_megatron.run.trainer import TrainingDiverged, train
 
     config = load_config(args.file, args.overrides)
     logging.basicConfig(
@@ -117,7 +118,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
     from dapo_megatron.algo import DynamicSamplingExhausted
     from dapo_megatron.orchestration.calls import MemberFailed
-    from dapo_megatron.run.step import GenerationAheadFailed, StaleBatch, StartupInterrupted, StopOutOfTime
+    from dapo_megatron.run.signals import StartupInterrupted, StopOutOfTime
+    from dapo_megatron.run.step import GenerationAheadFailed, StaleBatch
     from dapo_megatron.weight_sync.bucket import WeightSyncError
 
     try:
@@ -214,7 +216,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         peak_tb_per_s=args.peak_tb_per_s,
         extra={"command": " ".join(["dapo-megatron", "bench", args.file, *args.overrides])},
     )
-    from dapo_megatron.run.step import StartupInterrupted
+    from dapo_megatron.run.signals import StartupInterrupted
 
     try:
         result = run_bench(config, options)

@@ -30,8 +30,8 @@ HEADER = """# Configuration reference
 A run's config is one YAML file with the sections below (`dapo-megatron train CONFIG
 [section.key=value ...]`: each override's value is read as YAML, so lists are `[a,b]`).
 `dapo-megatron config CONFIG` checks a config and prints it fully resolved. This page is
-generated from the field docstrings of `dapo_megatron/config.py` and
-`dapo_megatron/model_config.py` by `tools/config_reference.py`; a test fails when it is
+generated from the field docstrings of `dapo_megatron/config/sections.py` and
+`dapo_megatron/config/model.py` by `tools/config_reference.py`; a test fails when it is
 not current.
 """
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dapo_megatron.actor import packing
 from dapo_megatron.actor.batch import PolicyBatch, plan_micro_batches
+from dapo_megatron.actor.update_metrics import LOSS_MEANS, TOKEN_SUMS, UpdateMetrics
 from dapo_megatron.actor.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from dapo_megatron.algo.loss import dapo_policy_loss
 from dapo_megatron.config import AlgorithmConfig, ModelConfig, ParallelConfig, TrainerConfig, padded_vocab_size
@@ -36,21 +37,6 @@ from dapo_megatron.models.gpt import build_model, output_weight, params_dtype
 from dapo_megatron.runtime.distributed import RuntimeInfo
 
 logger = logging.getLogger(__name__)
-
-# Per-update metrics that are token-weighted sums over micro-batches and DP ranks.
-_SUM_KEYS = (
-    "loss",
-    "entropy_sum",
-    "prob_sum",
-    "clip_low_sum",
-    "clip_high_sum",
-    "clip_dual_sum",
-    "kl_sum",
-    "ratio_sum",
-    "clamped_sum",
-    "kl_loss_sum",
-    "num_tokens",
-)
 
 
 @dataclass
@@ -455,7 +441,7 @@ class MegatronActor:
         self.ddp.train()
         return result[0].cpu(), result[1].cpu()
 
-    def train(self, batch: PolicyBatch, num_mini_batches: int = 1, temperature: float = 1.0) -> list[dict[str, float]]:
+    def train(self, batch: PolicyBatch, num_mini_batches: int = 1, temperature: float = 1.0) -> list[UpdateMetrics]:
         """One rollout step: ``num_mini_batches`` DAPO updates on this rank's share of the batch.
 
         ``batch`` holds this data-parallel rank's rows (see ``shard_for_data_parallel``)
@@ -463,14 +449,11 @@ class MegatronActor:
         consecutive parts, one optimizer update each. ``temperature`` is the sampling
         temperature the old log-probs were computed at (``log_softmax(logits / T)``); the
         new policy's log-probs use the same one, so the first update's ratio is exactly 1
-        on-policy. Returns each update's metrics (equal
-        on every rank): ``loss`` (the global token mean), ``entropy``, ``mean_prob`` of the
-        generated tokens, ``pg_clipfrac_low/high/dual``, ``approx_kl``, ``ratio_mean``,
-        ``ratio_max``, ``log_ratio_clamped``, ``grad_norm``, ``lr``, ``tokens`` and
-        ``num_micro_batches``; an update whose loss or gradient is NaN or infinite on any
-        rank is not applied on any rank and reports ``nonfinite`` = 1 and
-        ``update_skipped`` = 1; a mini-batch without loss tokens makes no update and reports
-        ``empty`` = 1 (checked before the scheduler or the step counter move).
+        on-policy. Returns each update's :class:`UpdateMetrics` (equal on every rank): an
+        update whose loss or gradient is NaN or infinite on any rank is not applied on any
+        rank and reports ``nonfinite`` and ``update_skipped``; a mini-batch without loss
+        tokens makes no update and reports ``empty`` (checked before the scheduler or the
+        step counter move).
         """
         if batch.advantages is None or batch.old_log_probs is None:
             raise ValueError("train() needs a batch with advantages and old_log_probs")
@@ -510,15 +493,15 @@ class MegatronActor:
             if num_tokens <= 0:
                 # Every row filtered out (e.g. all truncated under overlong filtering) on
                 # every rank: no update; counted, and the step goes on.
-                metrics.append(self._empty_update())
+                metrics.append(UpdateMetrics.empty_update(float(self.optimizer.param_groups[0]["lr"])))
             else:
                 metrics.append(self._update(micro, num_tokens, num_seqs, temperature, first))
             first += len(micro)
         for update in metrics:
-            update.update(padding)
+            update.padding_share, update.padding_share_unpacked = padding
         return metrics
 
-    def _padding_shares(self, batch: PolicyBatch, num_mini_batches: int, planned) -> dict[str, float]:
+    def _padding_shares(self, batch: PolicyBatch, num_mini_batches: int, planned) -> tuple[float, float]:
         """The share of padding in the tokens the actor runs for ``batch`` (over every
         data-parallel rank): as planned (``padding_share``), and as padded rows of one
         sequence each would have it (``padding_share_unpacked``)."""
@@ -535,10 +518,7 @@ class MegatronActor:
         )
         dist.all_reduce(totals, group=self.dp_group)
         real, run, unpacked = totals.tolist()
-        return {
-            "padding_share": 1.0 - real / run if run else 0.0,
-            "padding_share_unpacked": 1.0 - real / unpacked if unpacked else 0.0,
-        }
+        return 1.0 - real / run if run else 0.0, 1.0 - real / unpacked if unpacked else 0.0
 
     def _loss_and_gradients_finite(self, outputs: list[dict]) -> bool:
         """Whether every rank's losses and reduced gradients are finite (agreed by all ranks)."""
@@ -550,16 +530,6 @@ class MegatronActor:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item() == 1.0)
 
-    def _empty_update(self) -> dict[str, float]:
-        """The metrics of a mini-batch that had no loss tokens (no optimizer step)."""
-        metrics = dict.fromkeys(
-            ("loss", "entropy", "mean_prob", "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac_dual"), 0.0
-        )
-        metrics.update(approx_kl=0.0, ratio_mean=0.0, ratio_max=0.0, log_ratio_clamped=0.0, kl_loss=0.0, tokens=0.0)
-        metrics.update(grad_norm=float("nan"), update_skipped=1.0, num_micro_batches=0.0, empty=1.0, nonfinite=0.0)
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        return metrics
-
     def _update(
         self,
         micro: list[_MicroBatch],
@@ -567,7 +537,7 @@ class MegatronActor:
         global_num_seqs: float,
         temperature: float,
         first: int = 0,
-    ) -> dict[str, float]:
+    ) -> UpdateMetrics:
         """One optimizer update on ``micro`` (whose first micro-batch is the step's
         ``first``-th, in the order of the old-log-prob pass)."""
         algo = self.algorithm
@@ -613,18 +583,13 @@ class MegatronActor:
                     loss = loss * float("nan")
                 n = m["num_tokens"].to(torch.float64)
                 mask = mb.loss_mask
+                # The update's TOKEN_SUMS (UpdateMetrics), and its largest ratio.
                 sums = {
                     "loss": loss.detach().to(torch.float64),
-                    "entropy_sum": (entropy.detach() * mask).sum().to(torch.float64),
-                    "prob_sum": (torch.exp(log_probs.detach()) * mask).sum().to(torch.float64),
-                    "clip_low_sum": m["pg_clipfrac_low"].to(torch.float64) * n,
-                    "clip_high_sum": m["pg_clipfrac_high"].to(torch.float64) * n,
-                    "clip_dual_sum": m["pg_clipfrac_dual"].to(torch.float64) * n,
-                    "kl_sum": m["approx_kl"].to(torch.float64) * n,
-                    "ratio_sum": m["ratio_mean"].to(torch.float64) * n,
-                    "clamped_sum": m["log_ratio_clamped"].to(torch.float64) * n,
-                    "kl_loss_sum": m["kl_loss"].to(torch.float64) * n,
-                    "num_tokens": n,
+                    "entropy": (entropy.detach() * mask).sum().to(torch.float64),
+                    "mean_prob": (torch.exp(log_probs.detach()) * mask).sum().to(torch.float64),
+                    **{name: m[name].to(torch.float64) * n for name in LOSS_MEANS},
+                    "tokens": n,
                     "ratio_max": m["ratio_max"].to(torch.float64),
                 }
                 return loss, m["num_tokens"].to(torch.int), sums
@@ -641,34 +606,22 @@ class MegatronActor:
             # A NaN or infinite loss or gradient on any rank: no rank updates (weights and
             # optimizer state stay as they were; the next update zeroes the gradients).
             update_ok, grad_norm = False, float("nan")
-        totals = torch.zeros(len(_SUM_KEYS) + 1, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(len(TOKEN_SUMS) + 1, dtype=torch.float64, device=self.device)
         if self.is_last_stage:
             for out in outputs:
-                totals[:-1] += torch.stack([out[key].to(totals.device) for key in _SUM_KEYS])
+                totals[:-1] += torch.stack([out[name].to(totals.device) for name in TOKEN_SUMS])
                 totals[-1] = torch.maximum(totals[-1], out["ratio_max"].to(totals.device))
         sums, ratio_max = totals[:-1].clone(), totals[-1:].clone()
         dist.all_reduce(sums, group=self.dp_group)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self.dp_group)
         totals = self._broadcast_from_last_stage(torch.cat([sums, ratio_max]), totals.shape, totals.dtype)
-        values = dict(zip(_SUM_KEYS, totals[:-1].tolist()))
-        tokens = max(values["num_tokens"], 1.0)
-        return {
-            "loss": values["loss"],
-            "entropy": values["entropy_sum"] / tokens,
-            "mean_prob": values["prob_sum"] / tokens,
-            "pg_clipfrac_low": values["clip_low_sum"] / tokens,
-            "pg_clipfrac_high": values["clip_high_sum"] / tokens,
-            "pg_clipfrac_dual": values["clip_dual_sum"] / tokens,
-            "approx_kl": values["kl_sum"] / tokens,
-            "ratio_mean": values["ratio_sum"] / tokens,
-            "ratio_max": float(totals[-1]),
-            "log_ratio_clamped": values["clamped_sum"] / tokens,
-            "kl_loss": values["kl_loss_sum"] / tokens,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "update_skipped": 0.0 if update_ok else 1.0,
-            "nonfinite": 0.0 if finite else 1.0,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "tokens": values["num_tokens"],
-            "num_micro_batches": float(len(micro)),
-            **(routing.metrics() if routing is not None else {}),
-        }
+        return UpdateMetrics.from_sums(
+            totals[:-1].tolist(),
+            float(totals[-1]),
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            stepped=bool(update_ok),
+            finite=finite,
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            num_micro_batches=len(micro),
+            routing=routing.metrics() if routing is not None else {},
+        )

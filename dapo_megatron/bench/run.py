@@ -1,6 +1,6 @@
 """``dapo-megatron bench``: every phase of a DAPO step, measured through the real system.
 
-The benchmark starts what ``train`` starts (:func:`dapo_megatron.run.step.start_system`:
+The benchmark starts what ``train`` starts (:func:`dapo_megatron.run.system.start_system`:
 Ray, the actor's Megatron ranks, the rollout engines, the reward pool) from the same
 config, and times what a step does, one phase at a time and then whole steps:
 
@@ -188,7 +188,7 @@ class _Bench:
     # ------------------------------------------------------------------ phases
 
     def _prompts(self, round_index: int):
-        from dapo_megatron.run.step import round_sampling, training_sampling
+        from dapo_megatron.sampling.rounds import round_sampling, training_sampling
 
         d, r = self.config.data, self.config.rollout
         prompts = self.loader.next_batch(d.gen_batch_size or d.train_batch_size)
@@ -198,7 +198,7 @@ class _Bench:
     def generate(self, measure: bool) -> None:
         """A generation batch (measured or not), generated and scored as the trainer does;
         keeps the last one's first ``train_batch_size`` groups as the training batch."""
-        from dapo_megatron.run.step import generate_and_score
+        from dapo_megatron.sampling.rounds import generate_and_score
         from dapo_megatron.sampling.samples import build_policy_batch
 
         r, d = self.config.rollout, self.config.data
@@ -344,7 +344,8 @@ class _Bench:
         self.result["phases"]["reward"] = record
 
     def step(self) -> None:
-        from dapo_megatron.run.step import Stepper, training_sampling
+        from dapo_megatron.run.step import Stepper
+        from dapo_megatron.sampling.rounds import training_sampling
 
         stepper = Stepper(self.system, self.loader, training_sampling(self.config, self.tokenizer), self.tokenizer)
         steps: list[dict] = []
@@ -412,7 +413,7 @@ def _cpu_name() -> str:
 def run_bench(config: Config, options: BenchOptions) -> dict:
     """Start the system of ``config``, measure ``options.phases``; the results as a dict
     (what ``--json`` writes)."""
-    from dapo_megatron.run.step import load_initial_weights, load_run_data, reference_weights, start_system
+    from dapo_megatron.run.system import load_initial_weights, load_run_data, reference_weights, start_system
 
     if options.steps < 1 or options.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0 (got {options.steps}, {options.warmup})")

@@ -31,7 +31,8 @@ from dapo_megatron.ckpt.convert import export_hf
 from dapo_megatron.config import Config, ConfigError, hf_weights_folder
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.rollout.engine import SamplingParams
-from dapo_megatron.run.step import generate_and_score
+from dapo_megatron.run.signals import StopNow
+from dapo_megatron.sampling.rounds import generate_and_score
 from dapo_megatron.sampling.samples import Sample, validation_metrics
 
 logger = logging.getLogger(__name__)
@@ -198,3 +199,31 @@ def evaluate_policy(
         engines, rewards, prompts, validation_sampling(config, tokenizer), n, -1, config, tokenizer, {}
     )
     return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}, samples
+
+
+class Validation:
+    """The trainer's validation: avg@k and pass@k of the engines' policy on the validation
+    prompts (:func:`evaluate_policy`), logged with the step, to the console too; nothing
+    without validation data."""
+
+    def __init__(self, system, val_data, config: Config, tokenizer, metrics_log) -> None:
+        self.system, self.val_data, self.config = system, val_data, config
+        self.tokenizer, self.metrics_log = tokenizer, metrics_log
+
+    def __call__(self, step: int) -> Optional[float]:
+        """Validate after ``step``; the accuracy (None without validation data)."""
+        if self.val_data is None:
+            return None
+        values, _ = evaluate_policy(
+            self.system.engines, self.system.rewards, self.val_data.prompts, self.config, self.tokenizer
+        )
+        self.metrics_log.log(step, values, console=True)
+        return values["val/accuracy"]
+
+    def unless_stopped(self, step: int) -> None:
+        """Validation during the run: a stop signal abandons it, as it does generation."""
+        try:
+            with self.system.stop.abortable():
+                self(step)
+        except StopNow:
+            pass

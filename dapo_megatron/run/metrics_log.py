@@ -74,8 +74,11 @@ class MetricsLogger:
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
         self._start = time.perf_counter()
 
-    def log(self, step: int, metrics: dict[str, float], *, console: Optional[bool] = None) -> None:
-        """Write ``metrics`` of ``step`` everywhere (the console every ``log_every`` steps)."""
+    def log(
+        self, step: int, metrics: dict[str, float], *, console: Optional[bool] = None, histograms: Optional[dict] = None
+    ) -> None:
+        """Write ``metrics`` of ``step`` everywhere (the console every ``log_every`` steps),
+        and ``histograms`` (name -> values) to TensorBoard."""
         clean = {name: float(value) for name, value in sorted(metrics.items())}
         self.jsonl.write(json.dumps({"step": step, **clean}, allow_nan=True) + "\n")
         self.jsonl.flush()
@@ -87,6 +90,8 @@ class MetricsLogger:
         if show:
             self.stream.write(self.format_line(step, clean) + "\n")
             self.stream.flush()
+        for name, values in (histograms or {}).items():
+            self.log_histogram(step, name, values)
 
     def log_histogram(self, step: int, name: str, values) -> None:
         """A distribution (e.g. response lengths) to TensorBoard only."""
@@ -112,6 +117,12 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self._start
         parts.append(f"elapsed {elapsed:.0f}s")
         return "  ".join(parts)
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def close(self) -> None:
         """Flush and close the files."""

@@ -1,6 +1,7 @@
 """Measurement primitives that run inside any process of the system (actor ranks,
 engines, the driver): a matmul's and a copy's throughput on this device, and the
-process's peak memory, resettable so each benchmark phase gets its own peak.
+process's peak memory, resettable so each benchmark phase gets its own peak; and the
+phase timer every step's ``time/<phase>`` metrics come from.
 
 ``dapo-megatron bench`` (:mod:`dapo_megatron.bench`) calls them in the processes that do
 the work, so a ceiling is measured where, and under the contention in which, the phase
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -94,3 +97,13 @@ def copy_bytes_per_s(num_bytes: int, device: torch.device, repeats: int = 3) -> 
         _synchronize(device)
         best = min(best, time.perf_counter() - start)
     return num_bytes / best
+
+
+@contextmanager
+def timed(times: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the block's wall time to ``times[phase]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[phase] = times.get(phase, 0.0) + time.perf_counter() - start

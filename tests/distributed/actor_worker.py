@@ -127,7 +127,7 @@ def log_probs_at_layout(workdir: str, tp_size: int, pp_size: int) -> None:
         update = actor.train(batch)[0]
         if info.rank == 0:
             torch.save(
-                {"log_probs": log_probs, "entropy": entropy, "loss": update["loss"], "grad_norm": update["grad_norm"]},
+                {"log_probs": log_probs, "entropy": entropy, "loss": update.loss, "grad_norm": update.grad_norm},
                 os.path.join(workdir, f"lp_tp{tp_size}_pp{pp_size}.pt"),
             )
         if tp_size > 1 and pp_size == 1:
@@ -210,7 +210,7 @@ def dp_gradients(workdir: str, dp_size: int) -> None:
         if dp_size > 1:
             if info.rank == 0:
                 torch.save(captured[0], os.path.join(workdir, "grads_dp2.pt"))
-                _write_json(Path(workdir, "dp2_metrics.json"), metrics[0])
+                _write_json(Path(workdir, "dp2_metrics.json"), metrics[0].as_dict())
             return
         # One rank: the whole mini-batch, and the pieces the wrong normalisations would use.
         grads = {"full": captured[0], "ranks": [], "micro_batches": []}
@@ -233,7 +233,7 @@ RESUME_RESPONSES = [6, 14, 3, 9, 12, 5, 8, 2]
 def _train_steps(actor, batch, steps, losses):
     for _ in range(steps):
         metrics = actor.train(batch, num_mini_batches=2)
-        losses.append({"loss": metrics[0]["loss"], "lr": metrics[0]["lr"], "grad_norm": metrics[0]["grad_norm"]})
+        losses.append({"loss": metrics[0].loss, "lr": metrics[0].lr, "grad_norm": metrics[0].grad_norm})
 
 
 def _resume_batch(vocab_size: int) -> PolicyBatch:

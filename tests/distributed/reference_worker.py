@@ -191,7 +191,7 @@ def _step_capturing_gradients(cfg, info, workdir, hf_folder, batch, dp_size, wei
     return {
         "gradients": captured,
         "weights_after": weights_after,
-        "metrics": metrics,
+        "metrics": [update.as_dict() for update in metrics],
         "old_log_probs": batch.old_log_probs.clone(),
         "row_lengths": [[[int(shard.seq_lengths[i]) for i in mb] for mb in micro] for micro in rows],
     }

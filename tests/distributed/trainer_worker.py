@@ -26,7 +26,7 @@ def ratio_at_temperature(workdir: str, tp_size: int, temperature: float) -> None
             batch = make_batch(5, [6, 3, 9, 4])
             batch.old_log_probs, _ = actor.compute_log_probs(batch, temperature)
             first = actor.train(batch, num_mini_batches=2, temperature=train_temperature)[0]
-            results[name] = {k: first[k] for k in ("ratio_mean", "ratio_max", "approx_kl", "pg_clipfrac_low")}
+            results[name] = {k: getattr(first, k) for k in ("ratio_mean", "ratio_max", "approx_kl", "pg_clipfrac_low")}
     if info.rank == 0:
         Path(workdir, f"temperature_tp{tp_size}.json").write_text(json.dumps(results))
 
@@ -101,11 +101,11 @@ def empty_mini_batch(workdir: str) -> None:
         except ValueError as exc:
             refused = str(exc)
         report = {
-            "empty": [m.get("empty", 0.0) for m in metrics[0]],
+            "empty": [m.empty for m in metrics[0]],
             "steps": actor.rollout_step,
             "unequal": [n for n in weights[0] if not torch.equal(weights[0][n], weights[1][n])],
             "moved": sum(not torch.equal(weights[0][n], weights[1][n]) for n in weights[0]),
-            "loss": [metrics[0][0]["loss"], metrics[1][0]["loss"]],
+            "loss": [metrics[0][0].loss, metrics[1][0].loss],
             "refused": refused,
             "state_kept": actor.rollout_step == step and actor.optimizer.param_groups[0]["lr"] == lr,
         }
@@ -136,10 +136,10 @@ def nonfinite_update(workdir: str) -> None:
         good = actor.train(shard, 1)[0]
         moved = sum(not torch.equal(p, before[n]) for n, p in actor.gpt.named_parameters())
     report = {
-        "bad": {k: bad[k] for k in ("nonfinite", "update_skipped")},
-        "bad_loss_finite": bool(torch.isfinite(torch.tensor(bad["loss"]))),
+        "bad": {k: getattr(bad, k) for k in ("nonfinite", "update_skipped")},
+        "bad_loss_finite": bool(torch.isfinite(torch.tensor(bad.loss))),
         "unchanged": unchanged,
-        "good": {k: good[k] for k in ("nonfinite", "update_skipped")},
+        "good": {k: getattr(good, k) for k in ("nonfinite", "update_skipped")},
         "moved": moved,
     }
     Path(workdir, f"nonfinite_rank{info.rank}.json").write_text(json.dumps(report))

@@ -13,8 +13,9 @@ import pytest
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.data.prompts import Prompt
 from dapo_megatron.orchestration.actor_group import ActorGroup
+from dapo_megatron.run.resume import GENERATED_AHEAD
 from dapo_megatron.run.step import GenerationAheadFailed, StaleBatch, Stepper, check_staleness
-from dapo_megatron.run.trainer import GENERATED_AHEAD, train
+from dapo_megatron.run.trainer import train
 from dapo_megatron.sampling.samples import Sample, load_samples
 from tests.e2e.conftest import FOUR_STEPS, run_config, step_metrics
 

@@ -17,7 +17,8 @@ import yaml
 from dapo_megatron.ckpt.dcp_io import latest_checkpoint
 from dapo_megatron.cli import main
 from dapo_megatron.config import config_from_dict
-from dapo_megatron.run.trainer import TRAINER_STATE, TrainingDiverged, train
+from dapo_megatron.run.resume import TRAINER_STATE
+from dapo_megatron.run.trainer import TrainingDiverged, train
 from tests.e2e.conftest import REPO, run_config
 
 FOUR_STEPS = {

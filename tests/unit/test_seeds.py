@@ -13,7 +13,7 @@ from dapo_megatron.orchestration.rollout import engine_shares
 from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.rollout.seeds import sampling_seeds
 from dapo_megatron.rollout.sglang_engine import row_sampling_params
-from dapo_megatron.run.trainer import RESUME_KEYS, _check_resumable, _setting
+from dapo_megatron.run.resume import RESUME_KEYS, _check_resumable, _setting
 
 
 def _old_scheme(seed: int, step: int, round_index: int, rows_per_engine: int, num_engines: int) -> list[int]:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dapo_megatron.run.step import StartupInterrupted, StopNow, StopOutOfTime, StopRequest
+from dapo_megatron.run.signals import StartupInterrupted, StopNow, StopOutOfTime, StopRequest
 
 
 class _SignalDuringWrite(logging.Handler):

@@ -1,0 +1,152 @@
+"""Sampling in rounds: draw ``gen_batch_size`` prompts, generate ``n`` responses each on
+every engine at once, score them, and let dynamic sampling keep the groups whose answers
+disagree, round after round until ``train_batch_size`` groups are kept.
+
+:class:`RoundSampler` and the streamed :class:`~dapo_megatron.sampling.streaming.StreamingSampler`
+are the two ways a step collects its batch; both answer ``collect(step, version, times)``
+and keep what a checkpoint needs in ``state_dict`` (rounds keep nothing: every round's
+seeds derive from (step, round), and dynamic sampling drops its surplus at the end of a
+step). :func:`make_sampler` picks one from ``rollout.streaming``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from dapo_megatron.algo import DynamicSamplingAccumulator
+from dapo_megatron.algo.rewards.pool import RewardPool
+from dapo_megatron.config import Config
+from dapo_megatron.data import (
+    PromptLoader,
+)
+from dapo_megatron.orchestration.rollout import RolloutWorkers
+from dapo_megatron.rollout.engine import SamplingParams
+from dapo_megatron.rollout.seeds import sampling_seeds
+from dapo_megatron.runtime.measure import timed
+from dapo_megatron.sampling.samples import (
+    Sample,
+    apply_rewards,
+    drop_aborted_groups,
+    response_metrics,
+    samples_from_generations,
+)
+from dapo_megatron.sampling.streaming import StreamingSampler
+
+
+def training_sampling(config: Config, tokenizer) -> SamplingParams:
+    """``rollout.*``: the sampling of training rollouts (stopping at the tokenizer's EOS)."""
+    r = config.rollout
+    return SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, (tokenizer.eos_token_id,))
+
+
+def round_sampling(
+    sampling: SamplingParams, seed: int, step: int, round_index: int, num_prompts: int, n: int
+) -> SamplingParams:
+    """``sampling`` with a seed of its own for every response row of generation round
+    ``round_index`` of ``step`` (see :func:`sampling_seeds`)."""
+    return replace(sampling, seed=None, row_seeds=sampling_seeds(seed, step, round_index, num_prompts, n))
+
+
+def _collect_groups(
+    engines: RolloutWorkers,
+    rewards: RewardPool,
+    loader: PromptLoader,
+    sampling: SamplingParams,
+    config: Config,
+    tokenizer,
+    step: int,
+    times: dict[str, float],
+) -> tuple[list[Sample], dict[str, float]]:
+    """Rounds of generation and scoring until dynamic sampling holds ``train_batch_size``
+    groups (or fails after ``max_num_gen_batches`` rounds, naming the knobs). Returns the
+    kept samples (groups consecutive) and the rollout's metrics."""
+    r, a, d = config.rollout, config.algorithm, config.data
+    accumulator = DynamicSamplingAccumulator(
+        d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
+    )
+    generated_tokens = all_equal = groups = timeouts = errors = aborted = 0
+    round_index = 0
+    while not accumulator.is_full:
+        prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
+        params = round_sampling(sampling, r.seed, step, round_index, len(prompts), r.n_samples_per_prompt)
+        samples = generate_and_score(
+            engines, rewards, prompts, params, r.n_samples_per_prompt, round_index, config, tokenizer, times
+        )
+        generated_tokens += sum(len(s.response_ids) for s in samples)
+        samples, round_aborted = drop_aborted_groups(samples)
+        aborted += round_aborted
+        timeouts += sum(s.timed_out for s in samples)
+        errors += sum(s.reward_error for s in samples)
+        outcomes: dict = {}
+        for sample in samples:
+            outcomes.setdefault(sample.group_id, set()).add(sample.correct)
+        groups += len(outcomes)
+        all_equal += sum(len(o) == 1 for o in outcomes.values())
+        round_index += 1
+        accumulator.add(samples, [float(s.correct) for s in samples])
+    kept, _, sampling_metrics = accumulator.take()
+    metrics = {
+        **response_metrics(kept, r.max_response_length),
+        # Every reward call of the step counts, also those whose groups were dropped.
+        "reward/timeouts": float(timeouts),
+        "reward/errors": float(errors),
+        "rollout/aborted_responses": float(aborted),
+        **{f"dynamic_sampling/{k}": v for k, v in sampling_metrics.items()},
+        "dynamic_sampling/batch_groups": len(kept) / r.n_samples_per_prompt,
+        "dynamic_sampling/all_equal_share": all_equal / max(groups, 1),
+        "throughput/generate_tokens_per_s": generated_tokens / max(times["generate"], 1e-9),
+        "throughput/reward_responses_per_s": groups * r.n_samples_per_prompt / max(times["reward"], 1e-9),
+        "data/epoch": float(loader.epoch),
+    }
+    return kept, metrics
+
+
+def generate_and_score(
+    engines: RolloutWorkers,
+    rewards: RewardPool,
+    prompts: list,
+    params: SamplingParams,
+    n: int,
+    round_index: int,
+    config: Config,
+    tokenizer,
+    times: dict[str, float],
+) -> list[Sample]:
+    """``n`` responses per prompt, scored with the overlong punishment; the seconds of
+    both go to ``times['generate']`` and ``times['reward']``."""
+    with timed(times, "generate"):
+        generations = engines.generate([list(p.token_ids) for p in prompts], params, n)
+    samples = samples_from_generations(prompts, generations, round_index, tokenizer)
+    with timed(times, "reward"):
+        results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
+        apply_rewards(samples, results, config.algorithm, config.rollout.max_response_length)
+    return samples
+
+
+class RoundSampler:
+    """Rounds of generation and scoring until dynamic sampling holds the batch (see the
+    module docstring)."""
+
+    def __init__(self, engines, rewards, loader, sampling: SamplingParams, config: Config, tokenizer) -> None:
+        self.engines, self.rewards, self.loader = engines, rewards, loader
+        self.sampling, self.config, self.tokenizer = sampling, config, tokenizer
+
+    def collect(self, step: int, version: int, times: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
+        """Step ``step``'s kept samples (groups consecutive) and the rollout's metrics; the
+        engines' weights are ``version`` (each sample carries the version its engine reports)."""
+        return _collect_groups(
+            self.engines, self.rewards, self.loader, self.sampling, self.config, self.tokenizer, step, times
+        )
+
+    def state_dict(self) -> None:
+        """Nothing to keep between steps."""
+        return None
+
+    def load_state_dict(self, state: None) -> None:
+        """Nothing to restore."""
+
+
+def make_sampler(engines, rewards, loader, sampling: SamplingParams, config: Config, tokenizer):
+    """The step's sampler: streamed (``rollout.streaming``) or in rounds."""
+    kind = StreamingSampler if config.rollout.streaming else RoundSampler
+    return kind(engines, rewards, loader, sampling, config, tokenizer)
