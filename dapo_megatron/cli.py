@@ -160,9 +160,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _resume_hint(config, resumed: bool) -> str:
     """Where a failed run can continue from (``resumed``: it was itself a resumed run)."""
     from dapo_megatron.ckpt.dcp_io import latest_checkpoint
-    from dapo_megatron.config import checkpoint_save_dir
 
-    save_dir = checkpoint_save_dir(config)
+    save_dir = config.checkpoint_save_dir
     try:
         latest = latest_checkpoint(save_dir)
     except FileNotFoundError as exc:

@@ -58,7 +58,6 @@ from typing import Optional
 from dapo_megatron.config import (
     Config,
     ConfigError,
-    data_parallel_size,
     moe_layers,
     padded_vocab_size,
     pipeline_layer_split,
@@ -167,7 +166,7 @@ def expert_data_parallel_size(config: Config) -> int:
     """Ranks holding the same experts: a stage's tp x cp x dp ranks over ``ep_size``
     (expert-tensor-parallel size 1)."""
     p = config.parallel
-    return p.tp_size * p.cp_size * data_parallel_size(p) // p.ep_size
+    return p.tp_size * p.cp_size * p.data_parallel_size // p.ep_size
 
 
 def moe_activation_bytes(config: Config, tokens: int, layers: int, dtype_bytes: float) -> int:
@@ -443,7 +442,7 @@ def sync_export_bytes(config: Config, param_bytes: int) -> int:
 def estimate_memory(config: Config) -> MemoryEstimate:
     """Per-GPU memory of the heaviest stage; see the module docstring for each term."""
     m, p, r, t = config.model, config.parallel, config.rollout, config.trainer
-    dp = data_parallel_size(p)
+    dp = p.data_parallel_size
     by_kind = stage_parameters_by_kind(config)
     heaviest = max(range(len(by_kind)), key=lambda stage: sum(by_kind[stage]))
     dense_params, expert_params = by_kind[heaviest]
@@ -905,7 +904,7 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"model: {plan.num_parameters:,} parameters ({c.model.num_layers} layers, hidden {c.model.hidden_size}, "
         f"vocab {c.model.vocab_size} padded to {plan.padded_vocab}{experts})",
-        f"layout: world {p.world_size} = tp {p.tp_size} x pp {p.pp_size} x dp {data_parallel_size(p)} x cp {p.cp_size}; "
+        f"layout: world {p.world_size} = tp {p.tp_size} x pp {p.pp_size} x dp {p.data_parallel_size} x cp {p.cp_size}; "
         f"layers per stage {plan.layer_split}; sequence_parallel={p.sequence_parallel}; "
         f"recompute={c.model.recompute_activations}{expert_layout}",
         f"rollout: {engines}",

@@ -43,7 +43,7 @@ from dapo_megatron.ckpt.mapping import (
     to_hf,
     to_megatron,
 )
-from dapo_megatron.config import ConfigError, hf_weights_folder, read_hf_model_shape
+from dapo_megatron.config import ConfigError, read_hf_model_shape
 
 logger = logging.getLogger(__name__)
 
@@ -499,7 +499,7 @@ def export_hf(checkpoint: str | Path, config, out: Path) -> None:
         raise ConfigError("exporting a checkpoint to HF needs model.hf_config (the model's config.json)")
     with silenced(True):  # the verification's library warnings; errors still raise
         report = megatron_to_hf(checkpoint, config.model.hf_config, out, overwrite=True, progress=False)
-    tokenizer_dir = config.data.tokenizer or hf_weights_folder(config.model)
+    tokenizer_dir = config.data.tokenizer or config.model.hf_weights_folder
     if tokenizer_dir is not None:
         copy_tokenizer_files(Path(tokenizer_dir), out)
     checked = f"verified (max relative logit error {report.max_logit_error:.1e})" if report.verified else "not verified"

@@ -15,7 +15,7 @@ This front door exports what the rest of the package reads. Nothing here imports
 """
 
 from dapo_megatron.config.io import ConfigError
-from dapo_megatron.config.layout import data_parallel_size, pipeline_layer_split
+from dapo_megatron.config.layout import pipeline_layer_split
 from dapo_megatron.config.loading import PATH_KEYS, config_from_dict, load_config, source_of
 from dapo_megatron.config.model import (
     ModelConfig,
@@ -34,13 +34,6 @@ from dapo_megatron.config.sections import (
     RayConfig,
     RolloutConfig,
     TrainerConfig,
-    carries_over,
-    checkpoint_save_dir,
-    generate_bound_s,
-    hf_model_folder,
-    hf_weights_folder,
-    rollout_correction_of,
-    weight_sync_bound_s,
 )
 
 __all__ = [
@@ -56,20 +49,12 @@ __all__ = [
     "RayConfig",
     "RolloutConfig",
     "TrainerConfig",
-    "carries_over",
-    "checkpoint_save_dir",
     "config_from_dict",
-    "data_parallel_size",
-    "generate_bound_s",
-    "hf_model_folder",
-    "hf_weights_folder",
     "load_config",
     "moe_layers",
     "padded_vocab_size",
     "pipeline_layer_split",
     "read_hf_model_shape",
     "resolve_model_shape",
-    "rollout_correction_of",
     "source_of",
-    "weight_sync_bound_s",
 ]

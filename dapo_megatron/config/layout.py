@@ -56,8 +56,3 @@ def pipeline_layer_split(num_layers: int, parallel: ParallelConfig) -> list[int]
     if last is not None:
         split[-1] = last
     return split
-
-
-def data_parallel_size(parallel: ParallelConfig) -> int:
-    """The data-parallel size, explicit or derived from the world size."""
-    return parallel.dp_size or parallel.world_size // (parallel.tp_size * parallel.pp_size * parallel.cp_size)

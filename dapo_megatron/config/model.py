@@ -103,6 +103,14 @@ class ModelConfig:
     recompute_activations: bool = False
     """Recompute each layer's activations in backward to save memory."""
 
+    @property
+    def hf_weights_folder(self) -> Optional[Path]:
+        """The HF folder the run's initial weights and default tokenizer come from:
+        ``hf_weights``, else the folder ``hf_config`` names."""
+        if self.hf_weights is not None:
+            return Path(self.hf_weights)
+        return hf_model_folder(self.hf_config)
+
 
 # ModelConfig field -> HF config.json key.
 _HF_KEYS = {
@@ -277,3 +285,11 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_siz
     """Vocabulary size after Megatron's padding to a multiple of ``divisor * tp_size``."""
     multiple = make_vocab_size_divisible_by * tp_size
     return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def hf_model_folder(hf_config: Optional[str | os.PathLike]) -> Optional[Path]:
+    """The folder ``model.hf_config`` names (it may name the folder or its config.json)."""
+    if hf_config is None:
+        return None
+    path = Path(hf_config)
+    return path if path.is_dir() else path.parent

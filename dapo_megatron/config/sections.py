@@ -11,7 +11,6 @@ and the parallel layout's arithmetic in :mod:`dapo_megatron.config.layout`.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -63,6 +62,11 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Total number of ranks of the actor."""
         return self.num_nodes * self.num_devices_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The data-parallel size: ``dp_size``, or derived from the world size."""
+        return self.dp_size or self.world_size // (self.tp_size * self.pp_size * self.cp_size)
 
 
 @dataclass
@@ -148,6 +152,26 @@ class RolloutConfig:
     """Sampling temperature for validation."""
     val_top_p: float = 0.7
     """Nucleus sampling threshold for validation."""
+
+    @property
+    def carries_over(self) -> bool:
+        """Whether streamed generation trains tokens of earlier policies: carried groups or
+        partial responses (both need ``streaming``, which validation checks)."""
+        return self.carry_over or self.partial_rollout
+
+    @property
+    def generate_bound_s(self) -> float:
+        """``generate_timeout_s``, or the bound derived from the tokens a row generates."""
+        if self.generate_timeout_s:
+            return self.generate_timeout_s
+        return GENERATE_FLOOR_S + self.max_response_length / SLOWEST_ROW_TOKENS_PER_S
+
+    @property
+    def weight_sync_bound_s(self) -> float:
+        """``weight_sync_timeout_s``, or the bound derived from a bucket's bytes."""
+        if self.weight_sync_timeout_s:
+            return self.weight_sync_timeout_s
+        return SYNC_CALL_FLOOR_S + self.weight_sync_bucket_mb / SLOWEST_SYNC_MB_PER_S
 
 
 @dataclass
@@ -401,18 +425,21 @@ class Config:
         """The resolved config as YAML, loadable again by :func:`load_config`."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
+    @property
+    def checkpoint_save_dir(self) -> Path:
+        """Where the run's checkpoints go: ``checkpoint.save_dir``, else ``<output_dir>/checkpoints``."""
+        return Path(self.checkpoint.save_dir or Path(self.trainer.output_dir) / "checkpoints")
 
-def hf_model_folder(hf_config: Optional[str | os.PathLike]) -> Optional[Path]:
-    """The folder ``model.hf_config`` names (it may name the folder or its config.json)."""
-    if hf_config is None:
-        return None
-    path = Path(hf_config)
-    return path if path.is_dir() else path.parent
-
-
-def checkpoint_save_dir(config: Config) -> Path:
-    """Where the run's checkpoints go: ``checkpoint.save_dir``, else ``<output_dir>/checkpoints``."""
-    return Path(config.checkpoint.save_dir or Path(config.trainer.output_dir) / "checkpoints")
+    @property
+    def rollout_correction_in_effect(self) -> str:
+        """``algorithm.rollout_correction`` with ``auto`` resolved: token TIS when the run
+        trains off-policy tokens (async generation, carried groups or partial responses)
+        on the actor's old log-probs, else none."""
+        a = self.algorithm
+        if a.rollout_correction != "auto":
+            return a.rollout_correction
+        off_policy = self.trainer.async_generation or self.rollout.carries_over
+        return "tis" if off_policy and not a.use_rollout_log_probs else "none"
 
 
 GENERATE_FLOOR_S = 600.0
@@ -430,39 +457,3 @@ SYNC_CALL_FLOOR_S = 120.0
 
 SLOWEST_SYNC_MB_PER_S = 10.0
 """The derived weight-sync bound's copy rate, far below any link's (CUDA IPC, NCCL, gloo)."""
-
-
-def generate_bound_s(rollout: RolloutConfig) -> float:
-    """``rollout.generate_timeout_s``, or the bound derived from the tokens a row generates."""
-    if rollout.generate_timeout_s:
-        return rollout.generate_timeout_s
-    return GENERATE_FLOOR_S + rollout.max_response_length / SLOWEST_ROW_TOKENS_PER_S
-
-
-def weight_sync_bound_s(rollout: RolloutConfig) -> float:
-    """``rollout.weight_sync_timeout_s``, or the bound derived from a bucket's bytes."""
-    if rollout.weight_sync_timeout_s:
-        return rollout.weight_sync_timeout_s
-    return SYNC_CALL_FLOOR_S + rollout.weight_sync_bucket_mb / SLOWEST_SYNC_MB_PER_S
-
-
-def hf_weights_folder(model: ModelConfig) -> Optional[Path]:
-    """The HF folder the run's initial weights and default tokenizer come from."""
-    if model.hf_weights is not None:
-        return Path(model.hf_weights)
-    return hf_model_folder(model.hf_config)
-
-
-def carries_over(rollout: RolloutConfig) -> bool:
-    """Whether streamed generation trains tokens of earlier policies: carried groups or
-    partial responses (both need ``rollout.streaming``, which validation checks)."""
-    return rollout.carry_over or rollout.partial_rollout
-
-
-def rollout_correction_of(config: Config) -> str:
-    """The correction in effect: ``algorithm.rollout_correction`` with ``auto`` resolved."""
-    a = config.algorithm
-    if a.rollout_correction != "auto":
-        return a.rollout_correction
-    off_policy = config.trainer.async_generation or carries_over(config.rollout)
-    return "tis" if off_policy and not a.use_rollout_log_probs else "none"

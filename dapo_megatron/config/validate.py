@@ -10,9 +10,9 @@ import math
 from typing import Any, Optional
 
 from dapo_megatron.config.io import ConfigError, ValueSources
-from dapo_megatron.config.layout import data_parallel_size, pipeline_layer_split, round_up, sequence_pad_multiple
+from dapo_megatron.config.layout import pipeline_layer_split, round_up, sequence_pad_multiple
 from dapo_megatron.config.model import MOE_FIELDS, SHAPE_FIELDS
-from dapo_megatron.config.sections import Config, RayConfig, RolloutConfig, carries_over
+from dapo_megatron.config.sections import Config, RayConfig, RolloutConfig
 from dapo_megatron.families import families, family_named
 
 
@@ -275,13 +275,13 @@ def _validate_experts(config: Config, fail) -> None:
             f"parallel.ep_size={p.ep_size} must divide model.num_experts={m.num_experts}"
             + _nearest(_divisors(m.num_experts), p.ep_size, "parallel.ep_size"),
         )
-    stage_ranks = p.tp_size * p.cp_size * data_parallel_size(p)
+    stage_ranks = p.tp_size * p.cp_size * p.data_parallel_size
     if stage_ranks % p.ep_size:
         valid = [e for e in _divisors(m.num_experts) if stage_ranks % e == 0]
         fail(
             ("parallel.ep_size", "parallel.tp_size", "parallel.dp_size", "parallel.num_devices_per_node"),
             f"parallel.ep_size={p.ep_size} must divide the ranks of a pipeline stage, "
-            f"tp_size*cp_size*dp_size={p.tp_size}*{p.cp_size}*{data_parallel_size(p)}={stage_ranks}"
+            f"tp_size*cp_size*dp_size={p.tp_size}*{p.cp_size}*{p.data_parallel_size}={stage_ranks}"
             + _nearest(valid, p.ep_size, "parallel.ep_size"),
         )
 
@@ -366,7 +366,7 @@ def _validate_streaming(config: Config, fail) -> None:
                     f"rollout.{name}={getattr(r, name)} acts only on streamed generation: set "
                     "rollout.streaming=true, or leave it at its default",
                 )
-    if r.max_staleness != defaults.max_staleness and not carries_over(r):
+    if r.max_staleness != defaults.max_staleness and not r.carries_over:
         fail(
             ("rollout.max_staleness",),
             f"rollout.max_staleness={r.max_staleness} acts only on carried groups and partial responses: set "
@@ -377,7 +377,7 @@ def _validate_streaming(config: Config, fail) -> None:
             ("rollout.max_prompts_in_flight",),
             f"rollout.max_prompts_in_flight={r.max_prompts_in_flight} must be >= 0 (0 = data.gen_batch_size)",
         )
-    if r.max_staleness < 1 and carries_over(r):
+    if r.max_staleness < 1 and r.carries_over:
         fail(
             ("rollout.max_staleness",),
             f"rollout.max_staleness={r.max_staleness} must be >= 1 with carry_over or partial_rollout (what is "

@@ -36,7 +36,7 @@ import torch
 from ray.util.placement_group import remove_placement_group
 
 from dapo_megatron.actor.batch import PolicyBatch
-from dapo_megatron.config import Config, weight_sync_bound_s
+from dapo_megatron.config import Config
 from dapo_megatron.orchestration.calls import MemberFailed, call_all, cause_of, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
 from dapo_megatron.orchestration.placement import (
@@ -385,7 +385,7 @@ class ActorRank:
 
     @property
     def _sync_bound_s(self) -> float:
-        return weight_sync_bound_s(self.config.rollout)
+        return self.config.rollout.weight_sync_bound_s
 
     def feed_pieces(self, engines: list, bucket_bytes: int, names: Optional[list[str]] = None) -> dict:
         """Send this rank's own shards, as pieces by handle, to every engine of an open
@@ -741,7 +741,7 @@ class ActorGroup:
                 *(sum(s[key] for s in sent) for key in ("num_bytes", "num_tensors", "num_buckets")),
             )
 
-        return _update_session(engines, "weight sync", stream, weight_sync_bound_s(self.config.rollout), names)
+        return _update_session(engines, "weight sync", stream, self.config.rollout.weight_sync_bound_s, names)
 
     def plan_feeders(self, engines: list) -> dict[int, list[int]]:
         """Each engine's feeder (see :func:`choose_feeders`), asked of Ray once per set

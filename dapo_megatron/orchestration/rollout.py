@@ -32,7 +32,7 @@ from typing import Optional
 import ray
 import torch
 
-from dapo_megatron.config import Config, generate_bound_s, hf_weights_folder
+from dapo_megatron.config import Config
 from dapo_megatron.models.gpt import params_dtype
 from dapo_megatron.orchestration.calls import CONTROL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, call_all, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
@@ -221,12 +221,12 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
         device = "cuda" if torch.cuda.is_available() and config.parallel.device == "cuda" else "cpu"
         if weights_dir is not None:
             return HFRolloutEngine.from_pretrained(weights_dir, device=device)
-        folder = hf_weights_folder(config.model)
+        folder = config.model.hf_weights_folder
         eos = hf_eos_token_ids(folder) if folder is not None else ()
         return HFRolloutEngine.from_model_config(config.model, dtype=dtype, device=device, eos_token_ids=eos)
     from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 
-    folder = Path(weights_dir) if weights_dir is not None else hf_weights_folder(config.model)
+    folder = Path(weights_dir) if weights_dir is not None else config.model.hf_weights_folder
     if folder is None:
         raise ValueError("the SGLang engine needs model.hf_weights or model.hf_config (an HF folder to start from)")
     return SGLangRolloutEngine(
@@ -366,7 +366,7 @@ class RolloutWorkers:
                 refs,
                 "a rollout engine",
                 names,
-                timeout_s=generate_bound_s(self.config.rollout),
+                timeout_s=self.config.rollout.generate_bound_s,
                 timeout_key="rollout.generate_timeout_s",
             )
         except BaseException:  # failed, hung or interrupted by a stop: the call may still run

@@ -28,7 +28,7 @@ from typing import Optional
 
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.ckpt.convert import export_hf
-from dapo_megatron.config import Config, ConfigError, hf_weights_folder
+from dapo_megatron.config import Config, ConfigError
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.run.signals import StopNow
@@ -83,7 +83,7 @@ def evaluate(
         export_hf(ckpt, config, weights)
     else:
         weights = Path(hf_dir)
-    tokenizer = load_tokenizer(d, hf_weights_folder(config.model) or weights)
+    tokenizer = load_tokenizer(d, config.model.hf_weights_folder or weights)
     dataset = validation_dataset(d.val_files, tokenizer, d, r.max_prompt_length)
     start = time.perf_counter()
     with ExitStack() as stack:

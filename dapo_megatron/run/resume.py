@@ -27,7 +27,7 @@ import torch
 
 from dapo_megatron.actor.checkpoint import checkpoint_dir, list_checkpoints, point_latest_at
 from dapo_megatron.ckpt.dcp_io import LATEST, checkpoint_problem, latest_checkpoint
-from dapo_megatron.config import Config, ConfigError, checkpoint_save_dir, source_of
+from dapo_megatron.config import Config, ConfigError, source_of
 from dapo_megatron.run.system import load_initial_weights
 from dapo_megatron.sampling.samples import load_samples, save_samples
 
@@ -274,7 +274,7 @@ class RunCheckpoint:
     def __init__(self, config: Config, *, resume: bool = False, resume_from: Optional[str | Path] = None) -> None:
         self.config = config
         self.run_dir = Path(config.trainer.output_dir)
-        self.save_dir = str(checkpoint_save_dir(config))
+        self.save_dir = str(config.checkpoint_save_dir)
         self.resume_from = resume_from
         resuming = resume or resume_from is not None
         self.point = _resume_point(config, self.save_dir, resume_from) if resuming else None

@@ -26,7 +26,7 @@ from dapo_megatron.actor.batch import PolicyBatch
 from dapo_megatron.actor.update_metrics import UpdateMetrics
 from dapo_megatron.algo.metrics import rollout_consistency
 from dapo_megatron.algo.rollout_correction import correction_weights, mismatch_metrics
-from dapo_megatron.config import Config, carries_over, rollout_correction_of
+from dapo_megatron.config import Config
 from dapo_megatron.data import (
     PromptLoader,
 )
@@ -69,7 +69,7 @@ def check_staleness(samples: list[Sample], version: int, step: int, max_lag: int
 def allowed_staleness(config: Config) -> int:
     """The most versions a trained sample may lag the actor: ``rollout.max_staleness``
     when streamed generation carries groups or partial responses over, else 1."""
-    return config.rollout.max_staleness if carries_over(config.rollout) else 1
+    return config.rollout.max_staleness if config.rollout.carries_over else 1
 
 
 class GenerationAheadFailed(RuntimeError):
@@ -136,8 +136,8 @@ class Stepper:
         self.sampler = make_sampler(system.engines, system.rewards, loader, sampling, self.config, tokenizer)
         r = self.config.rollout
         if (
-            carries_over(r)
-            and rollout_correction_of(self.config) == "none"
+            r.carries_over
+            and self.config.rollout_correction_in_effect == "none"
             and not self.config.algorithm.use_rollout_log_probs
         ):
             logger.warning(
@@ -209,7 +209,7 @@ class Stepper:
         if release:
             engines.release_memory()
         entropy, correction_metrics = None, {}
-        correction = rollout_correction_of(config)
+        correction = config.rollout_correction_in_effect
         if a.use_rollout_log_probs:
             batch.old_log_probs = rollout_log_probs  # the sampling policy is the old one
         else:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from dapo_megatron.algo.rewards.pool import RewardPool
-from dapo_megatron.config import Config, ConfigError, hf_weights_folder
+from dapo_megatron.config import Config, ConfigError
 from dapo_megatron.data import (
     PromptDataset,
     PromptLoader,
@@ -112,7 +112,7 @@ def load_run_data(config: Config) -> tuple:
     """The tokenizer, the training and validation prompts, and the training loader at
     its start: ``(tokenizer, train_data, val_data or None, loader)``."""
     r, d = config.rollout, config.data
-    tokenizer = load_tokenizer(d, hf_weights_folder(config.model))
+    tokenizer = load_tokenizer(d, config.model.hf_weights_folder)
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer of data.tokenizer={d.tokenizer!r} has no EOS token to stop responses on")
     train_data = PromptDataset(d.train_files, tokenizer, d, r.max_prompt_length)
@@ -134,7 +134,7 @@ def initial_weights(config: Config) -> Optional[tuple[str, str]]:
         if not Path(path).exists():
             raise ConfigError(f"checkpoint.load_dir={load_dir!r} does not exist")
         return "megatron", str(path)
-    folder = hf_weights_folder(config.model)
+    folder = config.model.hf_weights_folder
     if folder is not None and any(folder.glob("*.safetensors")):
         return "hf", str(folder)
     if config.model.hf_weights is not None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo_megatron.config import ParallelConfig, data_parallel_size
+from dapo_megatron.config import ParallelConfig
 from dapo_megatron.runtime import cpu_compat
 
 logger = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
         expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
     )
-    expected_dp = data_parallel_size(parallel)
+    expected_dp = parallel.data_parallel_size
     if parallel_state.get_data_parallel_world_size() != expected_dp:
         shutdown_runtime()
         raise LaunchError(

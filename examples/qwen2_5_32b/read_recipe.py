@@ -25,7 +25,7 @@ import sys
 def main(argv: list[str]) -> int:
     missing = [f"`{name}` is not on PATH" for name in ("dapo-megatron", "ray") if shutil.which(name) is None]
     try:
-        from dapo_megatron.config import PATH_KEYS, ConfigError, hf_weights_folder, load_config
+        from dapo_megatron.config import PATH_KEYS, ConfigError, load_config
     except ImportError as exc:
         missing.append(f"{sys.executable} cannot import the package ({exc})")
     if missing:
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
         "engine_tp_size": r.engine_tp_size,
         "num_engines": r.num_engines,
         "colocate": "true" if r.colocate else "false",
-        "model_dir": hf_weights_folder(config.model) or "",
+        "model_dir": config.model.hf_weights_folder or "",
     }
     for name, value in values.items():
         print(f"{name}={value}")

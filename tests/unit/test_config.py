@@ -559,12 +559,11 @@ def test_streaming_switches_are_checked_against_each_other(overrides, named):
 
 
 def test_carried_and_partial_batches_are_corrected_by_default():
-    from dapo_megatron.config import rollout_correction_of
 
-    assert rollout_correction_of(load_config(TINY, ["rollout.streaming=true"])) == "none"
+    assert load_config(TINY, ["rollout.streaming=true"]).rollout_correction_in_effect == "none"
     for switch in ("carry_over", "partial_rollout"):
         config = load_config(TINY, ["rollout.streaming=true", f"rollout.{switch}=true"])
-        assert rollout_correction_of(config) == "tis"
+        assert config.rollout_correction_in_effect == "tis"
 
 
 def test_reward_worker_memory_cap_is_at_least_0(tmp_path):

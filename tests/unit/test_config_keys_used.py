@@ -36,13 +36,14 @@ def _leaf_fields():
 
 
 READ_THROUGH_HELPERS = {"checkpoint.save_dir": "checkpoint_save_dir"}
-"""Keys read by a helper of config.py (which must itself be used outside it)."""
+"""Keys read through a derived fact of the config (a property, which must itself be read
+outside the config modules)."""
 
 
 def _is_read(dotted: str, code: str, shared_names: set[str]) -> bool:
     section, name = dotted.rsplit(".", 1)
     if dotted in READ_THROUGH_HELPERS:
-        return re.search(rf"\b{READ_THROUGH_HELPERS[dotted]}\(", code) is not None
+        return re.search(rf"\.{READ_THROUGH_HELPERS[dotted]}\b", code) is not None
     if name in shared_names:  # e.g. seed, in three sections: the section (or its initial) must read it
         last = section.rsplit(".", 1)[-1]
         return re.search(rf"\b({last}|{last[0]})\.{name}\b", code) is not None
