@@ -205,7 +205,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     from dapo_megatron.config import config_from_dict
     from dapo_megatron.data import PromptLoader
-    from dapo_megatron.run.step import Stepper
+    from dapo_megatron.run.step import StepRunner
     from dapo_megatron.run.system import load_initial_weights, load_run_data, start_system
     from dapo_megatron.sampling.rounds import training_sampling
 
@@ -237,7 +237,7 @@ def main() -> None:
                 raw["rollout"].update(stream_chunk_tokens=args.chunk, max_prompts_in_flight=args.in_flight)
             config = config_from_dict(raw, name)
             loader = PromptLoader(train_data, seed=config.data.seed, shuffle=config.data.shuffle)
-            stepper = Stepper(system, loader, sampling, tokenizer, version=version, config=config)
+            stepper = StepRunner(system, loader, sampling, tokenizer, version=version, config=config)
             rows = []
             for index in range(steps):
                 start = time.perf_counter()

@@ -86,7 +86,7 @@ def _rehearse(config, args: argparse.Namespace) -> int:
     """``plan --rehearse``: place the job on a simulated cluster; 2 when it cannot be placed."""
     import logging
 
-    from dapo_megatron.orchestration.calls import MemberFailed
+    from dapo_megatron.orchestration.group_calls import MemberFailed
     from dapo_megatron.orchestration.rehearsal import format_rehearsal, rehearse
     from dapo_megatron.plan import stage_sync_bytes
 
@@ -117,7 +117,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         level=config.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     from dapo_megatron.algo import DynamicSamplingExhausted
-    from dapo_megatron.orchestration.calls import MemberFailed
+    from dapo_megatron.orchestration.group_calls import MemberFailed
     from dapo_megatron.run.signals import StartupInterrupted, StopOutOfTime
     from dapo_megatron.run.step import GenerationAheadFailed, StaleBatch
     from dapo_megatron.weight_sync.bucket import WeightSyncError

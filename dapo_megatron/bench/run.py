@@ -11,7 +11,7 @@ config, and times what a step does, one phase at a time and then whole steps:
 - ``sync``: the actor's weights into every engine; GB/s.
 - ``reward``: the ``algorithm.reward_fn`` on a mix of long responses on one core
   (:mod:`workloads`), responses per second.
-- ``step``: whole steps through the trainer's :class:`~dapo_megatron.run.step.Stepper`, each
+- ``step``: whole steps through the trainer's :class:`~dapo_megatron.run.step.StepRunner`, each
   phase's share of them and the share in no phase (orchestration: Ray calls, batch
   building, memory release); with ``trainer.async_generation`` the next batch is generated
   during training, so phases overlap and only the step time and the wait are reported.
@@ -344,10 +344,10 @@ class _Bench:
         self.result["phases"]["reward"] = record
 
     def step(self) -> None:
-        from dapo_megatron.run.step import Stepper
+        from dapo_megatron.run.step import StepRunner
         from dapo_megatron.sampling.rounds import training_sampling
 
-        stepper = Stepper(self.system, self.loader, training_sampling(self.config, self.tokenizer), self.tokenizer)
+        stepper = StepRunner(self.system, self.loader, training_sampling(self.config, self.tokenizer), self.tokenizer)
         steps: list[dict] = []
         counter = iter(range(1, 1_000_000))
         record: dict = {}

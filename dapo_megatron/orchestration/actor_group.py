@@ -37,8 +37,8 @@ from ray.util.placement_group import remove_placement_group
 
 from dapo_megatron.actor.batch import PolicyBatch
 from dapo_megatron.config import Config
-from dapo_megatron.orchestration.calls import MemberFailed, call_all, cause_of, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
+from dapo_megatron.orchestration.group_calls import MemberFailed, call_all, cause_of, stop_all
 from dapo_megatron.orchestration.placement import (
     actor_bundle,
     actor_on_gpu,

@@ -34,8 +34,8 @@ import torch
 
 from dapo_megatron.config import Config
 from dapo_megatron.models.gpt import params_dtype
-from dapo_megatron.orchestration.calls import CONTROL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, call_all, stop_all
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
+from dapo_megatron.orchestration.group_calls import CONTROL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, call_all, stop_all
 from dapo_megatron.orchestration.placement import (
     actor_on_gpu,
     engine_kind,

@@ -32,6 +32,7 @@ from dapo_megatron.config import Config, ConfigError
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.run.signals import StopNow
+from dapo_megatron.run.system import start_rewards
 from dapo_megatron.sampling.rounds import generate_and_score
 from dapo_megatron.sampling.samples import Sample, validation_metrics
 
@@ -89,14 +90,7 @@ def evaluate(
     with ExitStack() as stack:
         cpus = max(os.cpu_count() or 1, r.num_engines + 1)
         stack.enter_context(RayCluster(config.ray, out, config.ray.num_cpus or cpus))
-        rewards = RewardPool(
-            config.algorithm.reward_fn,
-            config.algorithm.reward_timeout_s,
-            min(os.cpu_count() or 1, 8),
-            error_score=config.algorithm.reward_error_score,
-            memory_mb=config.algorithm.reward_worker_memory_mb,
-        )
-        stack.callback(rewards.close)
+        rewards = start_rewards(config.algorithm, stack)
         engines = RolloutWorkers(config, str(weights))
         stack.callback(engines.shutdown)
         metrics, samples = evaluate_policy(engines, rewards, dataset.prompts, config, tokenizer)

@@ -3,7 +3,7 @@
 :func:`start_system` starts the parts of a run (Ray, the reward pool, the actor's
 ranks, the rollout engines), :func:`load_run_data` reads what they work on and
 :func:`load_initial_weights` gives the actor its first weights (and the KL penalty's
-reference, :func:`reference_weights`); :class:`Stepper` runs steps on them: generate and score
+reference, :func:`reference_weights`); :class:`StepRunner` runs steps on them: generate and score
 until dynamic sampling has the batch, advantages, the actor's old log-probs (or the
 engine's, with ``algorithm.use_rollout_log_probs``), the mismatch metrics and the
 rollout correction, the DAPO updates, the weight sync. With
@@ -30,10 +30,10 @@ from dapo_megatron.config import Config
 from dapo_megatron.data import (
     PromptLoader,
 )
-from dapo_megatron.orchestration.calls import cause_of
+from dapo_megatron.orchestration.group_calls import cause_of
 from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.run.signals import StopNow
-from dapo_megatron.run.system import System, give_engines_their_memory_back
+from dapo_megatron.run.system import RunningSystem, give_engines_their_memory_back
 from dapo_megatron.runtime.measure import timed
 from dapo_megatron.sampling.rounds import make_sampler
 from dapo_megatron.sampling.samples import (
@@ -102,8 +102,8 @@ def _in_background(function, *args) -> Future:
     return future
 
 
-class Stepper:
-    """Runs DAPO steps 1-6 (see :mod:`dapo_megatron.run.trainer`) on a started :class:`System`.
+class StepRunner:
+    """Runs DAPO steps 1-6 (see :mod:`dapo_megatron.run.trainer`) on a started :class:`RunningSystem`.
 
     In sync mode a step generates its batch, then trains on it. With
     ``trainer.async_generation`` the generation of step k+1's batch (with the weights the
@@ -122,7 +122,7 @@ class Stepper:
 
     def __init__(
         self,
-        system: System,
+        system: RunningSystem,
         loader: PromptLoader,
         sampling: SamplingParams,
         tokenizer,
@@ -306,7 +306,7 @@ class Stepper:
 
 @dataclass
 class RunState:
-    """What a checkpoint keeps besides the actor (see :meth:`Stepper.checkpoint_state`)."""
+    """What a checkpoint keeps besides the actor (see :meth:`StepRunner.checkpoint_state`)."""
 
     data: dict
     """The prompt loader's position (:meth:`PromptLoader.state_dict`)."""

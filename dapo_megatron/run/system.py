@@ -1,7 +1,7 @@
 """The running system of a run, and what it starts from.
 
 :func:`start_system` starts the parts of a run (Ray, the reward pool, the actor's ranks,
-the rollout engines) as one :class:`System`; ``train`` and ``bench`` run the same one.
+the rollout engines) as one :class:`RunningSystem`; ``train`` and ``bench`` run the same one.
 :func:`load_run_data` reads what they work on (the tokenizer, the prompts), and
 :func:`load_initial_weights` gives the actor its first weights (and the KL penalty its
 reference, :func:`reference_weights`).
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from dapo_megatron.algo.rewards.pool import RewardPool
-from dapo_megatron.config import Config, ConfigError
+from dapo_megatron.config import AlgorithmConfig, Config, ConfigError
 from dapo_megatron.data import (
     PromptDataset,
     PromptLoader,
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class System:
+class RunningSystem:
     """The running parts of a run, started by :func:`start_system`: the actor's ranks, the
     rollout engines, the reward pool and the preemption-signal catcher."""
 
@@ -60,7 +60,7 @@ class System:
         return stats
 
 
-def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
+def start_system(config: Config, run_dir: Path, stack: ExitStack) -> RunningSystem:
     """Start Ray (logs under ``run_dir``), the reward pool, the actor and the engines;
     ``stack`` stops each of them when it closes. ``train`` and ``bench`` run the same one."""
     r = config.rollout
@@ -75,14 +75,7 @@ def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
     stack.enter_context(RayCluster(config.ray, run_dir, config.ray.num_cpus or cpus))
     # After ray.init, which installs its own SIGTERM handler (it would end the process).
     stop = stack.enter_context(StopRequest(config.trainer.stop_grace_s).installed())
-    rewards = RewardPool(
-        config.algorithm.reward_fn,
-        config.algorithm.reward_timeout_s,
-        min(os.cpu_count() or 1, 8),
-        error_score=config.algorithm.reward_error_score,
-        memory_mb=config.algorithm.reward_worker_memory_mb,
-    )
-    stack.callback(rewards.close)
+    rewards = start_rewards(config.algorithm, stack)
     asked: list[RolloutWorkers] = []
 
     def ask_for_engines(group: ActorGroup) -> None:  # their processes start while the actor's ranks set up
@@ -97,7 +90,21 @@ def start_system(config: Config, run_dir: Path, stack: ExitStack) -> System:
     stack.callback(engines.shutdown)
     stop.check_starting()
     engines.start()
-    return System(config, actor, engines, rewards, stop)
+    return RunningSystem(config, actor, engines, rewards, stop)
+
+
+def start_rewards(algorithm: AlgorithmConfig, stack: ExitStack) -> RewardPool:
+    """The pool that scores ``algorithm.reward_fn`` (a worker per core, up to 8), closed
+    when ``stack`` closes."""
+    rewards = RewardPool(
+        algorithm.reward_fn,
+        algorithm.reward_timeout_s,
+        min(os.cpu_count() or 1, 8),
+        error_score=algorithm.reward_error_score,
+        memory_mb=algorithm.reward_worker_memory_mb,
+    )
+    stack.callback(rewards.close)
+    return rewards
 
 
 def give_engines_their_memory_back(actor, engines) -> None:

@@ -7,11 +7,13 @@ dynamic sampling keeps groups whose answers disagree and draws more rounds until
 the actor; ``train_batch_size * n / mini_batch_size`` DAPO updates; weight sync into
 every engine; metrics; a checkpoint every ``checkpoint.save_every`` steps.
 
-Steps 1-6 of a step are :class:`dapo_megatron.run.step.Stepper` (shared with ``bench``);
-this module runs the steps and what surrounds them: data, resume, validation,
-checkpoints, preemption, the bad-step stop and the final export. Where work runs is
-hidden behind three objects: ``actor`` (the Megatron ranks), ``engines`` (the rollout
-engines) and ``rewards`` (a process pool); the trainer never touches a Ray handle.
+Steps 1-6 of a step are :class:`dapo_megatron.run.step.StepRunner` (shared with ``bench``);
+this module runs the steps and what surrounds them: validation, checkpoints (their files
+and resume are :class:`~dapo_megatron.run.resume.RunCheckpoint`'s), preemption, the
+bad-step stop and the final export. Where work runs is hidden behind the
+:class:`~dapo_megatron.run.system.RunningSystem`: ``actor`` (the Megatron ranks),
+``engines`` (the rollout engines) and ``rewards`` (a process pool); the trainer never
+touches a Ray handle.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dapo_megatron.run.metrics_log import MetricsLogger
 from dapo_megatron.run.preflight import preflight
 from dapo_megatron.run.resume import RunCheckpoint
 from dapo_megatron.run.signals import Preempted, StopNow, StopRequest
-from dapo_megatron.run.step import GenerationAheadFailed, Stepper
+from dapo_megatron.run.step import GenerationAheadFailed, StepRunner
 from dapo_megatron.run.system import load_run_data, reference_weights, start_system
 from dapo_megatron.sampling.rounds import training_sampling
 
@@ -159,7 +161,7 @@ def train(
     make_run_folder(run_dir)
     with ExitStack() as stack:
         system = start_system(config, run_dir, stack)
-        stepper = Stepper(system, loader, training_sampling(config, tokenizer), tokenizer, checkpoints.start_step)
+        stepper = StepRunner(system, loader, training_sampling(config, tokenizer), tokenizer, checkpoints.start_step)
         checkpoints.restore(system.actor, stepper)
         if reference is not None:
             system.actor.load_reference(*reference)

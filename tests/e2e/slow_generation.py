@@ -12,11 +12,11 @@ import time
 
 from dapo_megatron import cli
 from dapo_megatron.orchestration.rollout import RolloutWorkers
-from dapo_megatron.run.step import Stepper
+from dapo_megatron.run.step import StepRunner
 
 HANG_S = 120.0
 _current = {"step": 0}
-_real_generate, _real_step_generate = RolloutWorkers.generate, Stepper._generate
+_real_generate, _real_step_generate = RolloutWorkers.generate, StepRunner._generate
 
 
 def _hang(worker) -> None:
@@ -36,6 +36,6 @@ def _generate(self, prompts, params, n):
 
 
 if __name__ == "__main__":
-    Stepper._generate = _step_generate
+    StepRunner._generate = _step_generate
     RolloutWorkers.generate = _generate
     sys.exit(cli.main(sys.argv[1:]))

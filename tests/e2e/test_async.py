@@ -14,7 +14,7 @@ from dapo_megatron.config import config_from_dict
 from dapo_megatron.data.prompts import Prompt
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.run.resume import GENERATED_AHEAD
-from dapo_megatron.run.step import GenerationAheadFailed, StaleBatch, Stepper, check_staleness
+from dapo_megatron.run.step import GenerationAheadFailed, StaleBatch, StepRunner, check_staleness
 from dapo_megatron.run.trainer import train
 from dapo_megatron.sampling.samples import Sample, load_samples
 from tests.e2e.conftest import FOUR_STEPS, run_config, step_metrics
@@ -98,7 +98,7 @@ def test_staleness_is_what_the_engines_report_not_what_the_driver_counts(tiny_mo
     generates the next batch (the batch "ahead" then comes from the new weights). The
     engines report the version they sampled with, so staleness is 0; a driver that counted
     versions itself would report 1 (the normal order's figure, checked above)."""
-    original = Stepper.step
+    original = StepRunner.step
 
     def sync_then_generate(self, step, generate_ahead):
         metrics = original(self, step, False)  # trains and syncs
@@ -106,7 +106,7 @@ def test_staleness_is_what_the_engines_report_not_what_the_driver_counts(tiny_mo
             self.ahead = self._generate(step + 1)
         return metrics
 
-    monkeypatch.setattr(Stepper, "step", sync_then_generate)
+    monkeypatch.setattr(StepRunner, "step", sync_then_generate)
     run_dir = tmp_path / "sync_first"
     train(_async_run(tiny_model, run_dir, **{"trainer.num_steps": 3, "checkpoint.save_every": 0}))
     assert [s["staleness/max"] for s in _steps(run_dir)] == [0.0, 0.0, 0.0]
@@ -117,7 +117,7 @@ def test_a_failed_generation_ahead_loses_no_step(tiny_model, tmp_path, monkeypat
     """Generating step 3's batch fails during step 2: step 2 is logged and saved first,
     the error names the checkpoint, and --resume finishes the run. At the last step (the
     batch ahead is only for the checkpoint) the run completes and is saved."""
-    original = Stepper._generate
+    original = StepRunner._generate
     fail_at = {"step": 3}
 
     def failing(self, step):
@@ -125,7 +125,7 @@ def test_a_failed_generation_ahead_loses_no_step(tiny_model, tmp_path, monkeypat
             raise RuntimeError("rollout engine 0 died")
         return original(self, step)
 
-    monkeypatch.setattr(Stepper, "_generate", failing)
+    monkeypatch.setattr(StepRunner, "_generate", failing)
     run_dir = tmp_path / "mid"
     config = _async_run(tiny_model, run_dir, **{"trainer.num_steps": 4, "checkpoint.save_every": 0})
     with pytest.raises(
@@ -150,7 +150,7 @@ def test_a_failed_generation_ahead_loses_no_step(tiny_model, tmp_path, monkeypat
 def test_an_error_does_not_wait_for_the_generation_running_ahead(tiny_model, tmp_path, monkeypatch):
     """The actor fails while the next batch's generation hangs: the run ends with the
     actor's error at once (a non-daemon worker, joined at shutdown, would hang here)."""
-    original = Stepper._generate
+    original = StepRunner._generate
     never = threading.Event()
 
     def hanging(self, step):
@@ -161,7 +161,7 @@ def test_an_error_does_not_wait_for_the_generation_running_ahead(tiny_model, tmp
     def failing_train(self, batch, num_mini_batches, temperature):
         raise RuntimeError("actor rank 1 lost")
 
-    monkeypatch.setattr(Stepper, "_generate", hanging)
+    monkeypatch.setattr(StepRunner, "_generate", hanging)
     monkeypatch.setattr(ActorGroup, "train", failing_train)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="actor rank 1 lost"):

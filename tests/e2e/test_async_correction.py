@@ -17,7 +17,7 @@ import torch
 import dapo_megatron.run.step as step_module
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.orchestration.actor_group import ActorGroup
-from dapo_megatron.run.step import Stepper
+from dapo_megatron.run.step import StepRunner
 from dapo_megatron.run.trainer import train
 from tests.e2e.conftest import run_config
 
@@ -37,7 +37,7 @@ def test_async_tis_weights_equal_a_float64_reference(tiny_model, tmp_path, monke
     from transformers import Qwen2ForCausalLM
 
     corrections, batches, served = [], [], []
-    original_weights, original_train, original_sync = step_module.correction_weights, ActorGroup.train, Stepper.sync
+    original_weights, original_train, original_sync = step_module.correction_weights, ActorGroup.train, StepRunner.sync
 
     def capture_weights(old, rollout, mask, *args):
         weights, metrics = original_weights(old, rollout, mask, *args)
@@ -55,7 +55,7 @@ def test_async_tis_weights_equal_a_float64_reference(tiny_model, tmp_path, monke
 
     monkeypatch.setattr(step_module, "correction_weights", capture_weights)
     monkeypatch.setattr(ActorGroup, "train", capture_train)
-    monkeypatch.setattr(Stepper, "sync", capture_sync)
+    monkeypatch.setattr(StepRunner, "sync", capture_sync)
     raw = run_config(
         tiny_model,
         tmp_path / "run",

@@ -133,10 +133,10 @@ def _from_step(step: int, monkeypatch, action) -> None:
     """Call ``action(engines)`` once, when step ``step`` starts generating (before its
     first generation call reaches the engines)."""
     from dapo_megatron.orchestration.rollout import RolloutWorkers
-    from dapo_megatron.run.step import Stepper
+    from dapo_megatron.run.step import StepRunner
 
     current, done = {"step": 0}, []
-    real_step_generate, real_generate = Stepper._generate, RolloutWorkers.generate
+    real_step_generate, real_generate = StepRunner._generate, RolloutWorkers.generate
 
     def step_generate(self, number):
         current["step"] = number
@@ -147,7 +147,7 @@ def _from_step(step: int, monkeypatch, action) -> None:
             done.append(action(self.engines))
         return real_generate(self, prompts, params, n)
 
-    monkeypatch.setattr(Stepper, "_generate", step_generate)
+    monkeypatch.setattr(StepRunner, "_generate", step_generate)
     monkeypatch.setattr(RolloutWorkers, "generate", generate)
 
 
@@ -155,7 +155,7 @@ def _from_step(step: int, monkeypatch, action) -> None:
 def test_a_hung_engine_fails_the_step_within_the_bound(tiny_model, tmp_path, monkeypatch):
     """Engine 0 stops answering (alive, not dead) at step 2: the step fails within
     rollout.generate_timeout_s, naming the engine and the setting, instead of waiting."""
-    from dapo_megatron.orchestration.calls import MemberTimedOut
+    from dapo_megatron.orchestration.group_calls import MemberTimedOut
 
     def hang(worker):
         import time

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from dapo_megatron.config import load_config
-from dapo_megatron.orchestration.calls import MemberFailed
+from dapo_megatron.orchestration.group_calls import MemberFailed
 from tests.e2e.conftest import LOOPBACK, listening_sockets, ray_client
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ import yaml
 
 from dapo_megatron.cli import main
 from dapo_megatron.config import ConfigError, config_from_dict
-from dapo_megatron.orchestration import calls
+from dapo_megatron.orchestration import group_calls
 from dapo_megatron.orchestration.cluster import TOKEN_FILE
 from dapo_megatron.run.resume import TRAINER_STATE
 from dapo_megatron.run.trainer import train
@@ -139,11 +139,11 @@ def test_a_gpu_layout_without_gpus_fails_at_once_and_leaves_no_token(tiny_model,
 def test_engines_that_cannot_be_placed_fail_within_the_bound(tiny_model, tmp_path, monkeypatch):
     """The actor's two ranks take both CPUs of a 2-CPU instance, so the engine (1 CPU)
     can never start: the run fails naming it instead of waiting forever."""
-    monkeypatch.setattr(calls, "SCHEDULE_TIMEOUT_S", 10.0)
+    monkeypatch.setattr(group_calls, "SCHEDULE_TIMEOUT_S", 10.0)
     raw = run_config(tiny_model, tmp_path / "run", **QUIET)
     raw["ray"] = {"num_cpus": 2}
     start = time.monotonic()
-    with pytest.raises(calls.MemberFailed) as caught:
+    with pytest.raises(group_calls.MemberFailed) as caught:
         train(config_from_dict(raw))
     assert time.monotonic() - start < 120
     message = str(caught.value)

@@ -8,7 +8,7 @@ import time
 import pytest
 import ray
 
-from dapo_megatron.orchestration.calls import MemberFailed, call_all
+from dapo_megatron.orchestration.group_calls import MemberFailed, call_all
 
 
 @ray.remote
