@@ -60,7 +60,6 @@ from dapo_megatron.config import (
     ConfigError,
     moe_layers,
     padded_vocab_size,
-    pipeline_layer_split,
 )
 from dapo_megatron.config.io import apply_override
 from dapo_megatron.config.validate import validate
@@ -140,7 +139,7 @@ def stage_parameters_by_kind(config: Config) -> list[tuple[int, int]]:
     m, p = config.model, config.parallel
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size) * m.hidden_size
     per_stage = []
-    split = pipeline_layer_split(m.num_layers, p)
+    split = p.stage_layers(m.num_layers)
     for stage, indices in enumerate(_stage_layers(split)):
         stage_sharded = sum(layer_parameters(config, i)[0] for i in indices)
         stage_replicated = sum(layer_parameters(config, i)[1] for i in indices)
@@ -160,13 +159,6 @@ def _stage_layers(split: list[int]) -> list[range]:
     """The global layer indices of each pipeline stage."""
     starts = [sum(split[:stage]) for stage in range(len(split))]
     return [range(start, start + layers) for start, layers in zip(starts, split)]
-
-
-def expert_data_parallel_size(config: Config) -> int:
-    """Ranks holding the same experts: a stage's tp x cp x dp ranks over ``ep_size``
-    (expert-tensor-parallel size 1)."""
-    p = config.parallel
-    return p.tp_size * p.cp_size * p.data_parallel_size // p.ep_size
 
 
 def moe_activation_bytes(config: Config, tokens: int, layers: int, dtype_bytes: float) -> int:
@@ -216,7 +208,7 @@ def stage_sync_bytes(config: Config) -> list[int]:
     m, p = config.model, config.parallel
     param_bytes = parameter_bytes(config)
     vocab = m.vocab_size * m.hidden_size
-    split = pipeline_layer_split(m.num_layers, p)
+    split = p.stage_layers(m.num_layers)
     stages = []
     for stage, indices in enumerate(_stage_layers(split)):
         params = sum(sum(layer_parameters(config, i)) + expert_parameters(config, i) for i in indices)
@@ -435,7 +427,7 @@ def machine_memory_bytes() -> int:
 def sync_export_bytes(config: Config, param_bytes: int) -> int:
     """The q/k/v export buffers a stage leader keeps for the weight sync: HF q, k and v
     weights and biases of each of the heaviest stage's layers, whole (gathered over TP)."""
-    layers = max(pipeline_layer_split(config.model.num_layers, config.parallel))
+    layers = max(config.parallel.stage_layers(config.model.num_layers))
     return layers * qkv_parameters(config) * param_bytes
 
 
@@ -451,7 +443,7 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     param_bytes = parameter_bytes(config)
     # The activation formula counts 2-byte activations; fp32 runs hold twice that.
     activation_scale = param_bytes / 2
-    layers = max(pipeline_layer_split(m.num_layers, p))
+    layers = max(p.stage_layers(m.num_layers))
     tokens = t.micro_batch_max_tokens
     h = m.hidden_size
     recompute_per_token_layer = 2 * h / (p.tp_size if p.sequence_parallel else 1)
@@ -481,7 +473,8 @@ def estimate_memory(config: Config) -> MemoryEstimate:
         weights=params * param_bytes,
         gradients=params * 4,
         optimizer=(
-            dense_params * optimizer_bytes // dp + expert_params * optimizer_bytes // expert_data_parallel_size(config)
+            dense_params * optimizer_bytes // dp
+            + expert_params * optimizer_bytes // config.parallel.expert_data_parallel_size
             if p.use_distributed_optimizer
             else params * optimizer_bytes
         ),
@@ -664,7 +657,7 @@ def stop_plan(config: Config, signal_lead_s: Optional[float] = None) -> StopPlan
     p = config.parallel
     params = count_parameters(config)
     save_bytes = params * (parameter_bytes(config) + 12)
-    writers = p.tp_size * p.pp_size * p.cp_size
+    writers = p.model_parallel_size
     writing_nodes = max(1, -(-writers // p.num_devices_per_node)) if p.device != "cpu" else 1
     save_s = save_bytes / (SAVE_GB_PER_S_PER_NODE * 1e9 * writing_nodes)
     return StopPlan(config.trainer.stop_grace_s, save_bytes, writing_nodes, save_s, signal_lead_s)
@@ -820,7 +813,7 @@ def make_plan(config: Config, *, suggest: bool = True, signal_lead_s: Optional[f
         config=config,
         num_parameters=count_parameters(config),
         padded_vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp_size),
-        layer_split=pipeline_layer_split(m.num_layers, p),
+        layer_split=p.stage_layers(m.num_layers),
         memory=memory,
         host=host,
         problems=_problems(config, memory, host),
@@ -899,7 +892,7 @@ def format_plan(plan: Plan) -> str:
     if p.ep_size > 1 or experts:
         expert_layout = (
             f"; experts: ep {p.ep_size} ({c.model.num_experts // p.ep_size} per rank), expert-dp "
-            f"{expert_data_parallel_size(c)}"
+            f"{c.parallel.expert_data_parallel_size}"
         )
     lines = [
         f"model: {plan.num_parameters:,} parameters ({c.model.num_layers} layers, hidden {c.model.hidden_size}, "
@@ -975,7 +968,7 @@ def format_plan(plan: Plan) -> str:
                 f"{mem.actor_allowance / GIB:.2f} GiB for {resident / GIB:.2f} GiB resident while engines hold theirs"
             )
     if mem.checkpoint_host:
-        per_node = min(p.num_devices_per_node, p.tp_size * p.pp_size * p.cp_size)
+        per_node = min(p.num_devices_per_node, p.model_parallel_size)
         lines.append(
             f"checkpoint save: each data-parallel rank 0 gathers its shard's fp32 main weights and Adam moments in host "
             f"memory ({mem.checkpoint_host / GIB:.2f} GiB per rank, up to {per_node * mem.checkpoint_host / GIB:.1f} GiB "

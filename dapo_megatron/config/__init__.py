@@ -15,7 +15,6 @@ This front door exports what the rest of the package reads. Nothing here imports
 """
 
 from dapo_megatron.config.io import ConfigError
-from dapo_megatron.config.layout import pipeline_layer_split
 from dapo_megatron.config.loading import PATH_KEYS, config_from_dict, load_config, source_of
 from dapo_megatron.config.model import (
     ModelConfig,
@@ -53,7 +52,6 @@ __all__ = [
     "load_config",
     "moe_layers",
     "padded_vocab_size",
-    "pipeline_layer_split",
     "read_hf_model_shape",
     "resolve_model_shape",
     "source_of",

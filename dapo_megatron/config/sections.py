@@ -64,9 +64,39 @@ class ParallelConfig:
         return self.num_nodes * self.num_devices_per_node
 
     @property
+    def model_parallel_size(self) -> int:
+        """Ranks of one model replica: ``tp_size x pp_size x cp_size``."""
+        return self.tp_size * self.pp_size * self.cp_size
+
+    @property
     def data_parallel_size(self) -> int:
         """The data-parallel size: ``dp_size``, or derived from the world size."""
-        return self.dp_size or self.world_size // (self.tp_size * self.pp_size * self.cp_size)
+        return self.dp_size or self.world_size // self.model_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks holding the same experts: a stage's tp x cp x dp ranks over ``ep_size``
+        (expert-tensor-parallel size 1)."""
+        return self.tp_size * self.cp_size * self.data_parallel_size // self.ep_size
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers on each pipeline stage (``num_layers_in_first/last_pipeline_stage``, the
+        rest split evenly), or ValueError saying why the split is impossible."""
+        pp, first, last = self.pp_size, self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
+        if pp == 1:
+            return [num_layers]
+        middle_layers = num_layers - (first or 0) - (last or 0)
+        middle_stages = pp - (first is not None) - (last is not None)
+        if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
+            raise ValueError("uneven split does not add up")
+        if middle_stages and middle_layers % middle_stages:
+            raise ValueError("uneven split does not add up")
+        split = [middle_layers // middle_stages if middle_stages else 0] * pp
+        if first is not None:
+            split[0] = first
+        if last is not None:
+            split[-1] = last
+        return split
 
 
 @dataclass

@@ -10,7 +10,7 @@ import math
 from typing import Any, Optional
 
 from dapo_megatron.config.io import ConfigError, ValueSources
-from dapo_megatron.config.layout import pipeline_layer_split, round_up, sequence_pad_multiple
+from dapo_megatron.config.layout import round_up, sequence_pad_multiple
 from dapo_megatron.config.model import MOE_FIELDS, SHAPE_FIELDS
 from dapo_megatron.config.sections import Config, RayConfig, RolloutConfig
 from dapo_megatron.families import families, family_named
@@ -129,7 +129,7 @@ def _validate_layout(config: Config, fail) -> None:
             ("model.family", "model.hf_config"),
             f"model.family={m.family!r} is not a supported model family; supported: {', '.join(families())}",
         )
-    model_parallel = p.tp_size * p.pp_size * p.cp_size
+    model_parallel = p.model_parallel_size
     heads_and_groups = [t for t in _divisors(m.num_attention_heads) if m.num_query_groups % t == 0]
     if p.dp_size is None:
         if p.world_size % model_parallel:
@@ -181,7 +181,7 @@ def _validate_layout(config: Config, fail) -> None:
             "uneven pipeline stages are set but parallel.pp_size=1",
         )
     try:
-        pipeline_layer_split(m.num_layers, p)
+        p.stage_layers(m.num_layers)
     except ValueError:
         if not uneven:
             fail(
@@ -388,7 +388,7 @@ def _validate_streaming(config: Config, fail) -> None:
 def _validate_batches(config: Config, fail) -> None:
     """Batch sizes against each other, the layout and the sequence lengths; the optimizer."""
     p, r, a, d, t = config.parallel, config.rollout, config.algorithm, config.data, config.trainer
-    model_parallel = p.tp_size * p.pp_size * p.cp_size
+    model_parallel = p.model_parallel_size
     num_responses = d.train_batch_size * r.n_samples_per_prompt
     dp_size = p.dp_size or p.world_size // model_parallel
     valid_mini = [b for b in _divisors(num_responses) if b % dp_size == 0]

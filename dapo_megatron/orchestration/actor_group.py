@@ -584,7 +584,7 @@ class ActorGroup:
             self.world_size,
             parallel.tp_size,
             parallel.pp_size,
-            self.world_size // (parallel.tp_size * parallel.pp_size * parallel.cp_size),
+            self.world_size // parallel.model_parallel_size,
             f", experts over ep {parallel.ep_size}" if parallel.ep_size > 1 else "",
         )
 

@@ -88,7 +88,7 @@ def rank_coordinates(parallel: ParallelConfig, rank: int) -> dict[str, int]:
     megatron-core's ``initialize_model_parallel`` numbers them (order ``tp-cp-ep-dp-pp``,
     expert parallelism 1: tensor parallelism varies fastest, pipeline stages slowest)."""
     tp, cp = parallel.tp_size, parallel.cp_size
-    dp = parallel.world_size // (tp * cp * parallel.pp_size)
+    dp = parallel.world_size // parallel.model_parallel_size
     return {
         "tp_rank": rank % tp,
         "cp_rank": (rank // tp) % cp,

@@ -158,7 +158,7 @@ def test_uneven_pipeline_split_when_configured(tmp_path):
         tiny(parallel={"pp_size": 3, "tp_size": 1, "num_devices_per_node": 3, "num_layers_in_first_pipeline_stage": 2}),
     )
     cfg = load_config(path)
-    assert config_module.pipeline_layer_split(cfg.model.num_layers, cfg.parallel) == [2, 1, 1]
+    assert cfg.parallel.stage_layers(cfg.model.num_layers) == [2, 1, 1]
 
 
 def test_uneven_pipeline_split_that_does_not_add_up(tmp_path):

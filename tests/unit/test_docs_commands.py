@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dapo_megatron.algo.rewards import base as reward_base
 from dapo_megatron.cli import build_parser, parse_arguments
 from dapo_megatron.config import load_config
 
@@ -79,6 +80,10 @@ def _script_parses(script: Path, args: list[str], monkeypatch) -> None:
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     monkeypatch.setattr(sys, "argv", [str(script), *args])
+    # What a script does at import stays with this test: its sys.path entries, the
+    # rewards it registers (a benchmark registers its own).
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(reward_base, "REGISTRY", dict(reward_base.REGISTRY))
     with pytest.raises(_Parsed):
         runpy.run_path(str(script), run_name="__main__")
 
