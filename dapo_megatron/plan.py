@@ -608,7 +608,7 @@ system's per-client rate is of this order; a node with a faster one saves sooner
 
 STOP_CLEANUP_S = 90.0
 """What a stopped run may need after its grace, within the job's ``--signal`` lead time:
-the run's own clean-up up to its backstop (60 s, ``step.STOP_BACKSTOP_S``), then
+the run's own clean-up up to its backstop (60 s, ``run.signals.STOP_BACKSTOP_S``), then
 train.sbatch stops Ray (``RAY_STOP_SECONDS``, 20 s) and requeues."""
 
 

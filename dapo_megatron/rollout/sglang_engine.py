@@ -64,7 +64,7 @@ format (``load_format="flattened_bucket"``: the engine hands the payloads throug
 TP rank ``r`` deserializes the ``r``-th). So the staging tensor is shared once per TP
 worker and bucket (each share opened once; torch counts its release) and freed after
 the bucket, instead of a long-lived buffer being shared once per tensor and worker,
-which torch never releases until the buffer is freed (``orchestration/handles.py``).
+which torch never releases until the buffer is freed (``weight_sync/handles.py``).
 The engine's own process never maps the tensors (torch refuses to send on a CUDA tensor
 received from another process; ``update_weights_from_tensor`` would have to): it
 passes the payloads through to its TP workers, each of which maps the sender's memory
