@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -117,7 +118,7 @@ def test_steps_with_nonfinite_updates_stop_the_run_after_the_configured_count(ti
 
     def reported_nonfinite(self, batch, num_mini_batches, temperature):
         updates = real_train(self, batch, num_mini_batches, temperature)
-        return [{**u, "loss": float("nan"), "nonfinite": 1.0, "update_skipped": 1.0} for u in updates]
+        return [dataclasses.replace(u, loss=float("nan"), nonfinite=1.0, update_skipped=1.0) for u in updates]
 
     monkeypatch.setattr(ActorGroup, "train", reported_nonfinite)
     config = run_config(tiny_model, tmp_path / "run", **{**FOUR_STEPS, "trainer.max_bad_steps_in_a_row": 2})
