@@ -388,9 +388,8 @@ def _validate_streaming(config: Config, fail) -> None:
 def _validate_batches(config: Config, fail) -> None:
     """Batch sizes against each other, the layout and the sequence lengths; the optimizer."""
     p, r, a, d, t = config.parallel, config.rollout, config.algorithm, config.data, config.trainer
-    model_parallel = p.model_parallel_size
     num_responses = d.train_batch_size * r.n_samples_per_prompt
-    dp_size = p.dp_size or p.world_size // model_parallel
+    dp_size = p.data_parallel_size
     valid_mini = [b for b in _divisors(num_responses) if b % dp_size == 0]
     if num_responses % d.mini_batch_size:
         fail(
