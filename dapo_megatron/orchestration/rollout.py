@@ -35,7 +35,13 @@ import torch
 from dapo_megatron.config import Config
 from dapo_megatron.models.gpt import params_dtype
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
-from dapo_megatron.orchestration.group_calls import CONTROL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, call_all, stop_all
+from dapo_megatron.orchestration.group_calls import (
+    CONTROL_TIMEOUT_S,
+    SHUTDOWN_TIMEOUT_S,
+    _unscheduled,
+    call_all,
+    stop_all,
+)
 from dapo_megatron.orchestration.placement import (
     actor_on_gpu,
     engine_kind,
@@ -283,6 +289,7 @@ class RolloutWorkers:
         # A generation call that failed, timed out or was interrupted may still run on its
         # engine: the shutdown then does not wait for the engines' answers.
         self._abandoned = False
+        self._start_failed = False  # then engines Ray never placed are not waited for at shutdown
         asked = placements[0][0] if placements else {}
         self._asked = ", ".join(f"{key} {value}" for key, value in asked.items() if key.startswith("num_"))
         if "scheduling_strategy" in asked:
@@ -309,7 +316,11 @@ class RolloutWorkers:
         }  # a start waits for placement, boundedly
         if building is None:  # colocated on GPUs, inside the actor's group: given their GPUs
             building = [engine.start.remote(base) for engine, base in zip(self.engines, self._bases)]
-        call_all(building, "rollout engine", self.names, **placed)
+        try:
+            call_all(building, "rollout engine", self.names, **placed)
+        except BaseException:
+            self._start_failed = True
+            raise
         health = self.health()
         self.names = [f"rollout engine {h['index']} (pid {h['pid']})" for h in health]
         self._update_ranks = rollout.engine_tp_size if on_gpu else 1
@@ -404,7 +415,19 @@ class RolloutWorkers:
     def shutdown(self) -> None:
         """Stop every engine (a second call does nothing)."""
         engines, self.engines = self.engines, []
-        stop_all(engines, "rollout engine", timeout_s=0.0 if self._abandoned else SHUTDOWN_TIMEOUT_S)
+        if self._abandoned:
+            stop_all(engines, "rollout engine", timeout_s=0.0)
+            return
+        unplaced: set[int] = set()
+        if self._start_failed:
+            # An engine Ray never placed has no process to answer a shutdown (waiting for
+            # it would only run out the bound): it is killed at once, first.
+            try:
+                unplaced = set(_unscheduled(list(enumerate(engines))))
+            except Exception as exc:  # Ray's state unreadable: wait for every engine, as for a started one
+                logger.warning("rollout engine shutdown: cannot tell which engines were never placed: %s", exc)
+        stop_all([e for i, e in enumerate(engines) if i in unplaced], "rollout engine", timeout_s=0.0)
+        stop_all([e for i, e in enumerate(engines) if i not in unplaced], "rollout engine", SHUTDOWN_TIMEOUT_S)
 
 
 def engine_shares(num_prompts: int, num_engines: int, params: SamplingParams, n: int) -> list:

@@ -1,4 +1,6 @@
-"""A tiny model with the demo's tokenizer and task, shared by the end-to-end tests; and\nwhat they check a Ray instance's exposure with (its listening sockets, a client's access)."""
+"""A tiny model with the demo's tokenizer and task, shared by the end-to-end tests; what
+they check a Ray instance's exposure with (its listening sockets, a client's access); and
+the package's Ray head, which the runs that do not test Ray itself join (``shared_ray``)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -158,6 +162,9 @@ def ray_client(address: str, token_file: Optional[Path] = None) -> subprocess.Co
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     if token_file is None:
         env["RAY_AUTH_MODE"] = "disabled"
+        # Refused, Ray's client would retry its connection 20 times, a second apart (~20 s
+        # a test); it gives up after 2 tries, with the same error.
+        env["RAY_NUM_REDIS_GET_RETRIES"] = "2"
     else:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
     command = [sys.executable, "-c", CONNECT.format(address=address)]
@@ -171,6 +178,10 @@ FOUR_STEPS = {
     "trainer.val_before_train": False,
     "trainer.val_every": 0,
 }
+# One actor rank (tp 1, dp 1) for runs whose checks need no second rank: a run at tp 2
+# has dp 1 too, so the batches, mini-batches and steps are the same, with one rank's
+# start and no tensor-parallel collectives. (tp_size 1 alone would give dp 2: two ranks.)
+ONE_RANK = {"parallel.tp_size": 1, "parallel.num_devices_per_node": 1}
 # Wall-clock figures differ between any two runs; everything else must not.
 TIMING_PREFIXES = ("time/", "throughput/", "sync/gb_per_s")
 
@@ -220,3 +231,53 @@ def assert_loopback_only(sockets: list, ranks: list[int], engines: list[int]) ->
     rank0, *others = ranks
     assert len(per_pid[rank0]) >= 2 + max(len(per_pid[pid]) for pid in others), per_pid
     assert any(s.name.startswith(("gcs_server", "raylet")) for s in sockets), sockets
+
+
+@pytest.fixture(scope="package")
+def _shared_ray_head():
+    """One :func:`tests.e2e.ray_head.ray_head` for the runs of this package that do not test
+    Ray itself (see that module); the package's last test stops it."""
+    from tests.e2e.ray_head import ray_head
+
+    with ray_head() as head:
+        yield head
+
+
+@contextmanager
+def driver_of(head: tuple[str, Path]) -> Iterator[str]:
+    """Inside the block this process talks to the Ray head ``head`` (``(address, token
+    file)``, :func:`tests.e2e.ray_head.ray_head`) as a driver of a private instance does:
+    with its token, loopback only; the address, for a run to join (:func:`joined`).
+    Afterwards this process's environment and Ray settings are as they were."""
+    from dapo_megatron.orchestration.cluster import _reload_ray_auth_settings, _set_ray_cluster_mode
+
+    address, token = head
+    names = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    cluster_mode = _set_ray_cluster_mode(False)
+    _reload_ray_auth_settings()
+    try:
+        yield address
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _set_ray_cluster_mode(cluster_mode)
+        _reload_ray_auth_settings()
+
+
+@pytest.fixture
+def shared_ray(_shared_ray_head):
+    """The package's Ray head for the test's runs to join (:func:`joined`), see :func:`driver_of`."""
+    with driver_of(_shared_ray_head) as address:
+        yield address
+
+
+def joined(raw: dict, address: str) -> dict:
+    """``raw`` (a :func:`run_config`) joining the Ray cluster at ``address``."""
+    raw.setdefault("ray", {})["address"] = address
+    return raw

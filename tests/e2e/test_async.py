@@ -17,7 +17,7 @@ from dapo_megatron.run.resume import GENERATED_AHEAD
 from dapo_megatron.run.step import GenerationAheadFailed, StaleBatch, StepRunner, check_staleness
 from dapo_megatron.run.trainer import train
 from dapo_megatron.sampling.samples import Sample, load_samples
-from tests.e2e.conftest import FOUR_STEPS, run_config, step_metrics
+from tests.e2e.conftest import FOUR_STEPS, ONE_RANK, joined, run_config, step_metrics
 
 
 def _steps(run_dir) -> list[dict]:
@@ -36,16 +36,20 @@ def test_a_sample_more_than_one_step_stale_is_refused():
 
 
 @pytest.mark.timeout(600)
-def test_async_and_sync_runs_finish_with_finite_metrics_and_bounded_staleness(tiny_model, tmp_path, uninterrupted):
+def test_async_and_sync_runs_finish_with_finite_metrics_and_bounded_staleness(
+    tiny_model, tmp_path, uninterrupted, shared_ray
+):
     """The sync run: the uninterrupted four steps (a checkpoint at steps 2 and 4); the
     async one: three steps of the same tiny task, no checkpoint."""
     run_dir = tmp_path / "async"
     raw = run_config(
-        tiny_model, run_dir, **{"trainer.num_steps": 3, "trainer.val_every": 0, "trainer.val_before_train": False}
+        tiny_model,
+        run_dir,
+        **{"trainer.num_steps": 3, "trainer.val_every": 0, "trainer.val_before_train": False, **ONE_RANK},
     )
     raw["trainer"]["async_generation"] = True
     raw["checkpoint"]["save_every"] = 0
-    train(config_from_dict(raw, "e2e"))
+    train(config_from_dict(joined(raw, shared_ray), "e2e"))
     for asynchronous, run, num_steps in ((False, uninterrupted[0], 4), (True, run_dir, 3)):
         steps = _steps(run)
         assert [s["step"] for s in steps] == list(range(1, num_steps + 1))
@@ -63,11 +67,11 @@ def test_async_and_sync_runs_finish_with_finite_metrics_and_bounded_staleness(ti
 
 
 @pytest.mark.timeout(900)
-def test_async_resume_gives_the_metrics_of_the_uninterrupted_async_run(tiny_model, tmp_path):
+def test_async_resume_gives_the_metrics_of_the_uninterrupted_async_run(tiny_model, tmp_path, shared_ray):
     def run(out, **overrides):
-        raw = run_config(tiny_model, out, **{**FOUR_STEPS, **overrides})
+        raw = run_config(tiny_model, out, **{**FOUR_STEPS, **ONE_RANK, **overrides})
         raw["trainer"]["async_generation"] = True
-        return config_from_dict(raw, "e2e")
+        return config_from_dict(joined(raw, shared_ray), "e2e")
 
     whole = tmp_path / "whole"
     train(run(whole))
@@ -85,15 +89,15 @@ def test_async_resume_gives_the_metrics_of_the_uninterrupted_async_run(tiny_mode
     assert step_metrics(split) == step_metrics(whole)
 
 
-def _async_run(tiny_model, out, **overrides):
-    base = {"trainer.val_every": 0, "trainer.val_before_train": False}
+def _async_run(tiny_model, out, address, **overrides):
+    base = {"trainer.val_every": 0, "trainer.val_before_train": False, **ONE_RANK}
     raw = run_config(tiny_model, out, **{**base, **overrides})
     raw["trainer"]["async_generation"] = True
-    return config_from_dict(raw, "e2e")
+    return config_from_dict(joined(raw, address), "e2e")
 
 
 @pytest.mark.timeout(600)
-def test_staleness_is_what_the_engines_report_not_what_the_driver_counts(tiny_model, tmp_path, monkeypatch):
+def test_staleness_is_what_the_engines_report_not_what_the_driver_counts(tiny_model, tmp_path, monkeypatch, shared_ray):
     """Negative control for the staleness measurement: a stepper that syncs *before* it
     generates the next batch (the batch "ahead" then comes from the new weights). The
     engines report the version they sampled with, so staleness is 0; a driver that counted
@@ -108,12 +112,12 @@ def test_staleness_is_what_the_engines_report_not_what_the_driver_counts(tiny_mo
 
     monkeypatch.setattr(StepRunner, "step", sync_then_generate)
     run_dir = tmp_path / "sync_first"
-    train(_async_run(tiny_model, run_dir, **{"trainer.num_steps": 3, "checkpoint.save_every": 0}))
+    train(_async_run(tiny_model, run_dir, shared_ray, **{"trainer.num_steps": 3, "checkpoint.save_every": 0}))
     assert [s["staleness/max"] for s in _steps(run_dir)] == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.timeout(900)
-def test_a_failed_generation_ahead_loses_no_step(tiny_model, tmp_path, monkeypatch):
+def test_a_failed_generation_ahead_loses_no_step(tiny_model, tmp_path, monkeypatch, shared_ray):
     """Generating step 3's batch fails during step 2: step 2 is logged and saved first,
     the error names the checkpoint, and --resume finishes the run. At the last step (the
     batch ahead is only for the checkpoint) the run completes and is saved."""
@@ -127,7 +131,7 @@ def test_a_failed_generation_ahead_loses_no_step(tiny_model, tmp_path, monkeypat
 
     monkeypatch.setattr(StepRunner, "_generate", failing)
     run_dir = tmp_path / "mid"
-    config = _async_run(tiny_model, run_dir, **{"trainer.num_steps": 4, "checkpoint.save_every": 0})
+    config = _async_run(tiny_model, run_dir, shared_ray, **{"trainer.num_steps": 4, "checkpoint.save_every": 0})
     with pytest.raises(
         GenerationAheadFailed, match=r"step 3's batch .*rollout engine 0 died.*step 2 was trained and saved"
     ):
@@ -141,13 +145,13 @@ def test_a_failed_generation_ahead_loses_no_step(tiny_model, tmp_path, monkeypat
 
     fail_at["step"] = 3
     last = tmp_path / "last"
-    result = train(_async_run(tiny_model, last, **{"trainer.num_steps": 2, "checkpoint.save_every": 2}))
+    result = train(_async_run(tiny_model, last, shared_ray, **{"trainer.num_steps": 2, "checkpoint.save_every": 2}))
     assert result.steps == 2 and result.last_checkpoint.endswith("step_00000002")
     assert [s["step"] for s in _steps(last)] == [1, 2]
 
 
 @pytest.mark.timeout(300)
-def test_an_error_does_not_wait_for_the_generation_running_ahead(tiny_model, tmp_path, monkeypatch):
+def test_an_error_does_not_wait_for_the_generation_running_ahead(tiny_model, tmp_path, monkeypatch, shared_ray):
     """The actor fails while the next batch's generation hangs: the run ends with the
     actor's error at once (a non-daemon worker, joined at shutdown, would hang here)."""
     original = StepRunner._generate
@@ -165,5 +169,9 @@ def test_an_error_does_not_wait_for_the_generation_running_ahead(tiny_model, tmp
     monkeypatch.setattr(ActorGroup, "train", failing_train)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="actor rank 1 lost"):
-        train(_async_run(tiny_model, tmp_path / "hang", **{"trainer.num_steps": 3, "checkpoint.save_every": 0}))
+        train(
+            _async_run(
+                tiny_model, tmp_path / "hang", shared_ray, **{"trainer.num_steps": 3, "checkpoint.save_every": 0}
+            )
+        )
     assert time.monotonic() - start < 120

@@ -19,7 +19,7 @@ from dapo_megatron.config import config_from_dict
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.run.step import StepRunner
 from dapo_megatron.run.trainer import train
-from tests.e2e.conftest import run_config
+from tests.e2e.conftest import ONE_RANK, joined, run_config
 
 CAP = 1.05  # low enough that some weights are capped
 
@@ -33,7 +33,7 @@ def _float64_log_probs(model, tokens: torch.Tensor, temperature: float) -> torch
 
 
 @pytest.mark.timeout(600)
-def test_async_tis_weights_equal_a_float64_reference(tiny_model, tmp_path, monkeypatch):
+def test_async_tis_weights_equal_a_float64_reference(tiny_model, tmp_path, monkeypatch, shared_ray):
     from transformers import Qwen2ForCausalLM
 
     corrections, batches, served = [], [], []
@@ -59,13 +59,19 @@ def test_async_tis_weights_equal_a_float64_reference(tiny_model, tmp_path, monke
     raw = run_config(
         tiny_model,
         tmp_path / "run",
-        **{"trainer.num_steps": 2, "trainer.val_every": 0, "trainer.val_before_train": False, "trainer.lr": 1e-2},
+        **{
+            "trainer.num_steps": 2,
+            "trainer.val_every": 0,
+            "trainer.val_before_train": False,
+            "trainer.lr": 1e-2,
+            **ONE_RANK,
+        },
     )
     raw["trainer"]["async_generation"] = True
     raw["checkpoint"]["save_every"] = 0
     raw["algorithm"].update(rollout_correction="tis", rollout_correction_cap=CAP)
     temperature = raw["rollout"]["temperature"]
-    train(config_from_dict(raw, "e2e"))
+    train(config_from_dict(joined(raw, shared_ray), "e2e"))
     assert len(corrections) == len(batches) == 2 and len(served) == 2
 
     initial = Qwen2ForCausalLM.from_pretrained(tiny_model / "model", dtype=torch.float64)

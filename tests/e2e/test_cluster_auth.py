@@ -36,6 +36,7 @@ def test_a_client_without_the_token_is_refused(tmp_path):
         # A client on this machine, in Ray's single-machine mode like the instance.
         refused = ray_client(address)
         assert refused.returncode != 0 and "CONNECTED" not in refused.stdout
+        assert "Authentication token is missing or incorrect" in refused.stderr, refused.stderr[-2000:]
         allowed = ray_client(address, token)
         assert allowed.returncode == 0 and "CONNECTED 2.0" in allowed.stdout, allowed.stderr[-2000:]
     # Stopped: the secret is gone and this process's environment is as it was.

@@ -12,7 +12,7 @@ import yaml
 
 from dapo_megatron import cli
 from dapo_megatron.ckpt.convert import hf_to_megatron
-from tests.e2e.conftest import run_config
+from tests.e2e.conftest import joined, run_config
 
 
 def _bigram_model(tokenizer_dir: Path, out: Path, answer: str) -> None:
@@ -62,7 +62,7 @@ def _val_file(path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_eval_reports_a_hand_computed_avg_and_pass_at_k(tiny_model, tmp_path, capsys):
+def test_eval_reports_a_hand_computed_avg_and_pass_at_k(tiny_model, tmp_path, capsys, shared_ray):
     _bigram_model(tiny_model / "model", tmp_path / "bigram", answer="7")
     _val_file(tmp_path / "val.jsonl")
     config = run_config(tiny_model, tmp_path / "run")
@@ -72,7 +72,7 @@ def test_eval_reports_a_hand_computed_avg_and_pass_at_k(tiny_model, tmp_path, ca
     config["rollout"].update(val_n_samples=4, val_temperature=0.0)
     config["parallel"].update(tp_size=1, num_devices_per_node=1)
     path = tmp_path / "eval.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(joined(config, shared_ray)))
 
     # "Answer: 7" is right exactly when a + b = 7: a = 0..7, five with a < 5, three above.
     expected = {"overall": (100, 8 / 100), "low": (50, 5 / 50), "high": (50, 3 / 50)}

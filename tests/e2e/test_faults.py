@@ -20,7 +20,7 @@ from dapo_megatron.cli import main
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.run.resume import TRAINER_STATE
 from dapo_megatron.run.trainer import TrainingDiverged, train
-from tests.e2e.conftest import REPO, run_config
+from tests.e2e.conftest import ONE_RANK, REPO, joined, run_config
 
 FOUR_STEPS = {
     "trainer.num_steps": 4,
@@ -57,7 +57,9 @@ def _ray_workers(root: int, title: str) -> list[psutil.Process]:
 def test_a_killed_worker_ends_the_run_clearly_and_resume_continues(tiny_model, tmp_path, title, named):
     run = tmp_path / "run"
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(run_config(tiny_model, run, **FOUR_STEPS)))
+    # Killing an engine needs one rank only; killing rank 1 needs two.
+    ranks = ONE_RANK if title == "ray::EngineWorker" else {}
+    path.write_text(yaml.safe_dump(run_config(tiny_model, run, **FOUR_STEPS, **ranks)))
     command = [sys.executable, "-m", "dapo_megatron", "train", str(path)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -89,7 +91,7 @@ def test_a_killed_worker_ends_the_run_clearly_and_resume_continues(tiny_model, t
 
 
 @pytest.mark.timeout(600)
-def test_rewards_that_raise_or_hang_score_wrong_and_are_counted(tiny_model, tmp_path):
+def test_rewards_that_raise_or_hang_score_wrong_and_are_counted(tiny_model, tmp_path, shared_ray):
     """One prompt whose reward raises, one whose reward hangs past the bound, two normal."""
     rows = [
         {"prompt": [{"role": "user", "content": q}], "reward_model": {"ground_truth": a}}
@@ -97,11 +99,13 @@ def test_rewards_that_raise_or_hang_score_wrong_and_are_counted(tiny_model, tmp_
     ]
     train_file = tmp_path / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = run_config(tiny_model, tmp_path / "run", **{"trainer.num_steps": 1, "trainer.val_before_train": False})
+    config = run_config(
+        tiny_model, tmp_path / "run", **{"trainer.num_steps": 1, "trainer.val_before_train": False, **ONE_RANK}
+    )
     config["data"].update(train_files=[str(train_file)], train_batch_size=1, mini_batch_size=4)
     config["trainer"]["val_every"] = 0
     config["algorithm"].update(reward_fn="tests.e2e.rewards:faulty", reward_timeout_s=1.0)
-    assert train(config_from_dict(config)).steps == 1
+    assert train(config_from_dict(joined(config, shared_ray))).steps == 1
     step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     rounds = step["dynamic_sampling/rounds"]
     # Every round generates 4 responses for each prompt: 4 raise and 4 time out per round.
@@ -109,7 +113,9 @@ def test_rewards_that_raise_or_hang_score_wrong_and_are_counted(tiny_model, tmp_
 
 
 @pytest.mark.timeout(600)
-def test_steps_with_nonfinite_updates_stop_the_run_after_the_configured_count(tiny_model, tmp_path, monkeypatch):
+def test_steps_with_nonfinite_updates_stop_the_run_after_the_configured_count(
+    tiny_model, tmp_path, monkeypatch, shared_ray
+):
     """The trainer's side: updates the actor reports as non-finite (its own skip is tested in
     tests/distributed/test_trainer_actor.py) are logged and stop the run at the limit."""
     from dapo_megatron.orchestration.actor_group import ActorGroup
@@ -121,9 +127,9 @@ def test_steps_with_nonfinite_updates_stop_the_run_after_the_configured_count(ti
         return [dataclasses.replace(u, loss=float("nan"), nonfinite=1.0, update_skipped=1.0) for u in updates]
 
     monkeypatch.setattr(ActorGroup, "train", reported_nonfinite)
-    config = run_config(tiny_model, tmp_path / "run", **{**FOUR_STEPS, "trainer.max_bad_steps_in_a_row": 2})
+    config = run_config(tiny_model, tmp_path / "run", **{**FOUR_STEPS, **ONE_RANK, "trainer.max_bad_steps_in_a_row": 2})
     with pytest.raises(TrainingDiverged, match="stopped at step 2: 2 steps in a row") as info:
-        train(config_from_dict(config))
+        train(config_from_dict(joined(config, shared_ray)))
     assert "actor/nonfinite_updates=" in str(info.value) and "step_00000001 (--resume continues from it)" in str(
         info.value
     )
@@ -167,10 +173,10 @@ def test_a_hung_engine_fails_the_step_within_the_bound(tiny_model, tmp_path, mon
     _from_step(
         2, monkeypatch, lambda engines: hung.update(at=time.monotonic(), ref=engines[0].__ray_call__.remote(hang))
     )
-    config = run_config(tiny_model, tmp_path / "run", **{**FOUR_STEPS, "rollout.generate_timeout_s": 5.0})
+    config = run_config(tiny_model, tmp_path / "run", **{**FOUR_STEPS, **ONE_RANK, "rollout.generate_timeout_s": 3.0})
     with pytest.raises(
         MemberTimedOut,
-        match=r"^rollout engine 0 \(pid \d+\) did not answer within 5 s "
+        match=r"^rollout engine 0 \(pid \d+\) did not answer within 3 s "
         r"\(rollout.generate_timeout_s\): hung",
     ):
         train(config_from_dict(config))
@@ -190,7 +196,7 @@ def test_an_engine_killed_during_sync_ends_with_the_resume_hint(tiny_model, tmp_
 
     _from_step(2, monkeypatch, lambda engines: engines[0].__ray_call__.remote(exit_in_the_next_bucket))
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(run_config(tiny_model, tmp_path / "run", **FOUR_STEPS)))
+    path.write_text(yaml.safe_dump(run_config(tiny_model, tmp_path / "run", **FOUR_STEPS, **ONE_RANK)))
     assert main(["train", str(path)]) == 1
     err = capsys.readouterr().err
     assert "dapo-megatron train: error: weight sync into the rollout engines failed: rollout engine 0 (pid " in err, (

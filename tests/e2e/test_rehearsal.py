@@ -99,9 +99,9 @@ def test_what_cannot_be_placed_is_refused_within_the_bound_naming_what_it_asks()
 
     config = _one_node_of_four_gpus("rollout.colocate=false")
     with pytest.raises(
-        MemberFailed, match=r"1 of 1 rollout engine\(s\) not started after 10 s .*num_gpus 4.*0 GPU free of 4"
+        MemberFailed, match=r"1 of 1 rollout engine\(s\) not started after 6 s .*num_gpus 4.*0 GPU free of 4"
     ):
-        rehearse(config, spare_nodes=0, schedule_timeout_s=10)
+        rehearse(config, spare_nodes=0, schedule_timeout_s=6)
 
 
 def test_the_old_recipe_placement_would_not_start(monkeypatch):
@@ -116,8 +116,8 @@ def test_the_old_recipe_placement_would_not_start(monkeypatch):
 
     monkeypatch.setattr(rollout, "engine_placements", outside_the_group)
     config = _one_node_of_four_gpus()
-    with pytest.raises(MemberFailed, match=r"rollout engine\(s\) not started after 10 s"):
-        rehearse(config, schedule_timeout_s=10)
+    with pytest.raises(MemberFailed, match=r"rollout engine\(s\) not started after 6 s"):
+        rehearse(config, schedule_timeout_s=6)
 
 
 def test_more_engines_than_the_gpus_hold_are_refused_before_anything_starts(capsys):
@@ -150,6 +150,7 @@ def test_the_rehearsal_cluster_listens_on_loopback_and_needs_a_token():
         assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.stat().st_uid == os.getuid()
         refused = ray_client(address)
         assert refused.returncode != 0 and "CONNECTED" not in refused.stdout, refused.stdout
+        assert "Authentication token is missing or incorrect" in refused.stderr, refused.stderr[-2000:]
         allowed = ray_client(address, token)
         assert allowed.returncode == 0 and "CONNECTED 2.0" in allowed.stdout, allowed.stderr[-2000:]
     assert not token.exists()

@@ -19,7 +19,7 @@ from dapo_megatron.ckpt.dcp_io import latest_checkpoint, read_chunk, tensor_shap
 from dapo_megatron.config import ConfigError, config_from_dict
 from dapo_megatron.run.resume import TRAINER_STATE
 from dapo_megatron.run.trainer import train
-from tests.e2e.conftest import FOUR_STEPS, REPO, run_config, step_metrics
+from tests.e2e.conftest import FOUR_STEPS, REPO, joined, run_config, step_metrics
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
@@ -39,14 +39,16 @@ def _stored_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(900)
-def test_two_steps_resume_two_steps_equals_four_steps(tiny_model, tmp_path, uninterrupted):
+def test_two_steps_resume_two_steps_equals_four_steps(tiny_model, tmp_path, uninterrupted, shared_ray):
     whole, seen = uninterrupted
     split = tmp_path / "split"
-    first_half = train(config_from_dict(run_config(tiny_model, split, **{**FOUR_STEPS, "trainer.num_steps": 2})))
+    first_half = train(
+        config_from_dict(joined(run_config(tiny_model, split, **{**FOUR_STEPS, "trainer.num_steps": 2}), shared_ray))
+    )
     assert first_half.steps == 2
     saved = _tree_digest(split / "checkpoints")
     with pytest.raises(ConfigError, match="already holds checkpoints .*Pass --resume.* another checkpoint.save_dir"):
-        train(config_from_dict(run_config(tiny_model, split, **FOUR_STEPS)))
+        train(config_from_dict(joined(run_config(tiny_model, split, **FOUR_STEPS), shared_ray)))
     # A new run folder whose checkpoint.save_dir holds another run's checkpoints: refused
     # before anything starts, the checkpoints untouched (it would overwrite them).
     other = run_config(tiny_model, tmp_path / "other", **FOUR_STEPS)
@@ -54,9 +56,9 @@ def test_two_steps_resume_two_steps_equals_four_steps(tiny_model, tmp_path, unin
     with pytest.raises(
         ConfigError, match=f"{split / 'checkpoints'} already holds checkpoints \\(step_00000002, latest\\)"
     ):
-        train(config_from_dict(other))
+        train(config_from_dict(joined(other, shared_ray)))
     assert _tree_digest(split / "checkpoints") == saved and not (tmp_path / "other").exists()
-    result = train(config_from_dict(run_config(tiny_model, split, **FOUR_STEPS)), resume=True)
+    result = train(config_from_dict(joined(run_config(tiny_model, split, **FOUR_STEPS), shared_ray)), resume=True)
     assert result.steps == 4 and (split / "config.resumed_at_step_2.yaml").exists()
 
     expected, got = step_metrics(whole), step_metrics(split)
@@ -88,7 +90,7 @@ def test_two_steps_resume_two_steps_equals_four_steps(tiny_model, tmp_path, unin
     other = run_config(tiny_model, relaid, **FOUR_STEPS)
     other["parallel"].update(tp_size=1, pp_size=2)
     other["checkpoint"]["load_dir"] = str(whole / "checkpoints" / "step_00000002")
-    train(config_from_dict(other), resume=True)
+    train(config_from_dict(joined(other, shared_ray)), resume=True)
     assert sorted(step_metrics(relaid)) == [3, 4]
     state = json.loads((latest_checkpoint(relaid / "checkpoints") / TRAINER_STATE).read_text())
     assert state["step"] == 4 and state["data"] == state_whole["data"]

@@ -25,7 +25,7 @@ from dapo_megatron.orchestration import group_calls
 from dapo_megatron.orchestration.cluster import TOKEN_FILE
 from dapo_megatron.run.resume import TRAINER_STATE
 from dapo_megatron.run.trainer import train
-from tests.e2e.conftest import REPO, run_config, step_metrics
+from tests.e2e.conftest import ONE_RANK, REPO, joined, run_config, step_metrics
 
 QUIET = {"trainer.val_before_train": False, "trainer.val_every": 0}
 
@@ -42,9 +42,10 @@ def _steps_logged(run: Path) -> list[int]:
 
 
 @pytest.mark.timeout(900)
-def test_damaged_checkpoints_are_named_and_the_previous_one_continues(tiny_model, tmp_path, capsys):
+def test_damaged_checkpoints_are_named_and_the_previous_one_continues(tiny_model, tmp_path, capsys, shared_ray):
     run = tmp_path / "run"
-    raw = run_config(tiny_model, run, **{**QUIET, "trainer.num_steps": 3, "checkpoint.save_every": 1})
+    raw = run_config(tiny_model, run, **{**QUIET, **ONE_RANK, "trainer.num_steps": 3, "checkpoint.save_every": 1})
+    joined(raw, shared_ray)
     raw["checkpoint"]["keep_last"] = 0
     train(config_from_dict(raw))
     saves = run / "checkpoints"
@@ -61,7 +62,8 @@ def test_damaged_checkpoints_are_named_and_the_previous_one_continues(tiny_model
     assert (run / "metrics.jsonl").read_text() == before and not list(run.glob("config.resumed_at_step_*"))
 
     # A refused resume (a setting its data position depends on changed) writes nothing.
-    longer = run_config(tiny_model, run, **{**QUIET, "trainer.num_steps": 4, "checkpoint.save_every": 1})
+    longer = run_config(tiny_model, run, **{**QUIET, **ONE_RANK, "trainer.num_steps": 4, "checkpoint.save_every": 1})
+    joined(longer, shared_ray)
     changed = json.loads(json.dumps(longer))
     changed["data"]["seed"] = 7
     with pytest.raises(ConfigError, match="data.seed=7 .saved with 42."):
@@ -108,9 +110,10 @@ def test_damaged_checkpoints_are_named_and_the_previous_one_continues(tiny_model
 
 
 @pytest.mark.timeout(600)
-def test_a_run_folder_whose_attempt_left_no_checkpoint_is_reused(tiny_model, tmp_path):
+def test_a_run_folder_whose_attempt_left_no_checkpoint_is_reused(tiny_model, tmp_path, shared_ray):
     run = tmp_path / "run"
-    raw = run_config(tiny_model, run, **{**QUIET, "trainer.num_steps": 1, "checkpoint.save_every": 0})
+    raw = run_config(tiny_model, run, **{**QUIET, **ONE_RANK, "trainer.num_steps": 1, "checkpoint.save_every": 0})
+    joined(raw, shared_ray)
     train(config_from_dict(raw))
     first = step_metrics(run)
     assert not (run / "checkpoints").exists()

@@ -21,13 +21,15 @@ from dapo_megatron.run.step import check_staleness
 from dapo_megatron.run.system import load_run_data
 from dapo_megatron.sampling.rounds import _collect_groups, training_sampling
 from dapo_megatron.sampling.streaming import StreamingSampler
-from tests.e2e.conftest import run_config
+from tests.e2e.conftest import driver_of, joined, run_config
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def _config(root, out, **rollout):
+def _config(root, out, address=None, **rollout):
     raw = run_config(root, out)
+    if address is not None:
+        joined(raw, address)
     raw["rollout"].update({"max_response_length": 12, "streaming": True, "stream_chunk_tokens": 3, **rollout})
     raw["rollout"]["num_engines"] = rollout.get("num_engines", 2)
     raw["algorithm"]["overlong_buffer_len"] = 4
@@ -35,16 +37,34 @@ def _config(root, out, **rollout):
     return config_from_dict(raw, "e2e")
 
 
+@pytest.fixture(scope="module")
+def shared_engines(tiny_model, tmp_path_factory, _shared_ray_head):
+    """Two engines, on the package's Ray head, for every test here: they are built from the
+    model and the engine count alone (sampling comes with each call, seeded per row), and
+    no test syncs weights into them; :func:`_parts` gives them back as a fresh start leaves them."""
+    run_dir = tmp_path_factory.mktemp("streaming") / "run"
+    with driver_of(_shared_ray_head) as address:
+        config = _config(tiny_model, run_dir, address)
+        with RayCluster(config.ray, run_dir, 4):
+            engines = RolloutWorkers(config)
+            try:
+                yield engines
+            finally:
+                engines.shutdown()
+
+
 @contextmanager
-def _parts(config, run_dir):
-    with RayCluster(config.ray, run_dir, 4):
-        engines = RolloutWorkers(config)
-        rewards = RewardPool(config.algorithm.reward_fn, 5.0, 1)
-        try:
-            yield engines, rewards
-        finally:
-            rewards.close()
-            engines.shutdown()
+def _parts(config, engines):
+    """The shared engines as a fresh start leaves them (alive, no weight version, no group
+    in flight: an abort drops what a test that raised left), and a reward pool for ``config``."""
+    engines.health()  # an engine an earlier test broke fails here, by name
+    engines.set_weight_version(-1)
+    engines.stream_tick([[] for _ in engines.engines], None, 0, abort=True)
+    rewards = RewardPool(config.algorithm.reward_fn, 5.0, 1)
+    try:
+        yield engines, rewards
+    finally:
+        rewards.close()
 
 
 def _sampler(config, engines, rewards):
@@ -74,11 +94,11 @@ class Reordered:
         return [{**answer, "groups": arrived if i == len(answers) - 1 else []} for i, answer in enumerate(answers)]
 
 
-def test_streaming_with_one_tick_per_round_samples_the_rounds_batches(tiny_model, tmp_path):
+def test_streaming_with_one_tick_per_round_samples_the_rounds_batches(tiny_model, tmp_path, shared_engines):
     """Chunks as long as a response and a round's prompts in flight: streaming is rounds,
     to the bit (tokens, log-probs, rewards, versions), over several steps and rounds."""
     config = _config(tiny_model, tmp_path / "run", stream_chunk_tokens=12, max_prompts_in_flight=4)
-    with _parts(config, tmp_path / "run") as (engines, rewards):
+    with _parts(config, shared_engines) as (engines, rewards):
         tokenizer, _, _, loader = load_run_data(config)
         sampling = training_sampling(config, tokenizer)
         rounds = []
@@ -95,11 +115,11 @@ def test_streaming_with_one_tick_per_round_samples_the_rounds_batches(tiny_model
 
 
 @pytest.mark.parametrize("sort_arrivals", [True, False])
-def test_a_stream_out_of_order_trains_the_same_groups(tiny_model, tmp_path, monkeypatch, sort_arrivals):
+def test_a_stream_out_of_order_trains_the_same_groups(tiny_model, tmp_path, shared_engines, monkeypatch, sort_arrivals):
     # Chunks as long as a response: every group in flight completes in the same tick, so
     # the order they are taken in decides which fill the batch and which are carried.
     config = _config(tiny_model, tmp_path / "run", carry_over=True, stream_chunk_tokens=12, max_prompts_in_flight=6)
-    with _parts(config, tmp_path / "run") as (engines, rewards):
+    with _parts(config, shared_engines) as (engines, rewards):
         in_order = _sampler(config, engines, rewards)
         batches = [_rows(in_order.collect(step, 0, {})[0]) for step in (1, 2, 3)]
         if not sort_arrivals:  # negative control: take groups in the order they arrive
@@ -109,9 +129,9 @@ def test_a_stream_out_of_order_trains_the_same_groups(tiny_model, tmp_path, monk
         assert (again == batches) == sort_arrivals
 
 
-def test_carried_groups_are_trained_once_with_measured_staleness(tiny_model, tmp_path):
+def test_carried_groups_are_trained_once_with_measured_staleness(tiny_model, tmp_path, shared_engines):
     config = _config(tiny_model, tmp_path / "run", carry_over=True, max_prompts_in_flight=6)
-    with _parts(config, tmp_path / "run") as (engines, rewards):
+    with _parts(config, shared_engines) as (engines, rewards):
         sampler = _sampler(config, engines, rewards)
         trained, carried_any = [], False
         for step, version in ((1, 0), (2, 1), (3, 2), (4, 3)):
@@ -150,9 +170,11 @@ def test_carried_groups_are_trained_once_with_measured_staleness(tiny_model, tmp
         assert not {s.group_id for s in samples} & set(carried)
 
 
-def test_partial_responses_continue_from_their_prefixes_and_aborted_groups_are_never_trained(tiny_model, tmp_path):
+def test_partial_responses_continue_from_their_prefixes_and_aborted_groups_are_never_trained(
+    tiny_model, tmp_path, shared_engines
+):
     config = _config(tiny_model, tmp_path / "run", partial_rollout=True, max_prompts_in_flight=6)
-    with _parts(config, tmp_path / "run") as (engines, rewards):
+    with _parts(config, shared_engines) as (engines, rewards):
         sampler = _sampler(config, engines, rewards)
         continued = 0
         for step in (1, 2, 3, 4):
@@ -179,7 +201,7 @@ def test_partial_responses_continue_from_their_prefixes_and_aborted_groups_are_n
         assert continued  # some response went on under newer weights
 
     config = _config(tiny_model, tmp_path / "off", max_prompts_in_flight=6)
-    with _parts(config, tmp_path / "off") as (engines, rewards):
+    with _parts(config, shared_engines) as (engines, rewards):
         proxy = Reordered(engines)
         sampler = _sampler(config, proxy, rewards)
         trained = []
@@ -198,9 +220,9 @@ def test_partial_responses_continue_from_their_prefixes_and_aborted_groups_are_n
         assert aborted and not aborted & set(trained)
 
 
-def test_the_state_resumes_exactly_with_carried_and_partial_groups_in_flight(tiny_model, tmp_path):
+def test_the_state_resumes_exactly_with_carried_and_partial_groups_in_flight(tiny_model, tmp_path, shared_engines):
     config = _config(tiny_model, tmp_path / "run", carry_over=True, partial_rollout=True, max_prompts_in_flight=6)
-    with _parts(config, tmp_path / "run") as (engines, rewards):
+    with _parts(config, shared_engines) as (engines, rewards):
         uninterrupted = _sampler(config, engines, rewards)
         expected = [_rows(uninterrupted.collect(step, 0, {})[0]) for step in (1, 2, 3)]
         first = _sampler(config, engines, rewards)
@@ -218,14 +240,14 @@ def test_the_state_resumes_exactly_with_carried_and_partial_groups_in_flight(tin
         assert [_rows(fresh.collect(step, 0, {})[0]) for step in (2, 3)] != expected[1:]
 
 
-def test_a_batch_that_cannot_be_filled_stops_at_the_bound_on_prompts_drawn(tiny_model, tmp_path):
+def test_a_batch_that_cannot_be_filled_stops_at_the_bound_on_prompts_drawn(tiny_model, tmp_path, shared_engines):
     """Every answer right: every group agrees, none is kept; the step stops after
     max_num_gen_batches x gen_batch_size prompts with the rounds' actionable message."""
     raw = run_config(tiny_model, tmp_path / "run")
     raw["rollout"].update(streaming=True, stream_chunk_tokens=3, num_engines=2)
     raw["algorithm"].update(reward_fn="tests.e2e.rewards:always_right", max_num_gen_batches=2)
     config = config_from_dict(raw, "e2e")
-    with _parts(config, tmp_path / "run") as (engines, rewards):
+    with _parts(config, shared_engines) as (engines, rewards):
         sampler = _sampler(config, engines, rewards)
         with pytest.raises(stream_sampling.DynamicSamplingExhausted) as info:
             sampler.collect(1, 0, {})

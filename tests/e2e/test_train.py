@@ -15,7 +15,7 @@ import yaml
 from dapo_megatron import cli
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.run.trainer import train
-from tests.e2e.conftest import assert_loopback_only, listening_sockets, run_config
+from tests.e2e.conftest import ONE_RANK, assert_loopback_only, joined, listening_sockets, run_config
 
 # Everything the issue lists under "Metrics", as logged every step.
 STEP_METRICS = [
@@ -149,13 +149,13 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate, correction, level):
 
 
 @pytest.mark.timeout(600)
-def test_rollout_log_probs_as_the_old_policy_skip_the_actors_pass(tiny_model, tmp_path):
+def test_rollout_log_probs_as_the_old_policy_skip_the_actors_pass(tiny_model, tmp_path, shared_ray):
     run_dir = tmp_path / "run"
-    raw = run_config(tiny_model, run_dir, **{"trainer.num_steps": 1, "trainer.val_every": 0})
+    raw = run_config(tiny_model, run_dir, **{"trainer.num_steps": 1, "trainer.val_every": 0, **ONE_RANK})
     raw["algorithm"]["use_rollout_log_probs"] = True
     raw["checkpoint"]["save_every"] = 0
     raw["trainer"]["val_before_train"] = False
-    train(config_from_dict(raw, "e2e"))
+    train(config_from_dict(joined(raw, shared_ray), "e2e"))
     (step,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert "time/old_log_prob" not in step and not [k for k in step if k.startswith("rollout_mismatch/")]
     assert all(math.isfinite(v) for v in step.values() if isinstance(v, float))
@@ -165,15 +165,15 @@ def test_rollout_log_probs_as_the_old_policy_skip_the_actors_pass(tiny_model, tm
 
 
 @pytest.mark.timeout(600)
-def test_dynamic_sampling_that_keeps_nothing_fails_naming_the_knobs(tiny_model, tmp_path, capsys):
+def test_dynamic_sampling_that_keeps_nothing_fails_naming_the_knobs(tiny_model, tmp_path, capsys, shared_ray):
     config = run_config(
         tiny_model,
         tmp_path / "run",
-        **{"algorithm.reward_fn": "tests.e2e.rewards:always_right", "algorithm.max_num_gen_batches": 2},
+        **{"algorithm.reward_fn": "tests.e2e.rewards:always_right", "algorithm.max_num_gen_batches": 2, **ONE_RANK},
     )
     config["trainer"]["val_before_train"] = False
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(joined(config, shared_ray)))
     status = cli.main(["train", str(path)])
     err = capsys.readouterr().err
     assert status == 1
@@ -186,7 +186,7 @@ def test_dynamic_sampling_that_keeps_nothing_fails_naming_the_knobs(tiny_model, 
 
 
 @pytest.mark.timeout(600)
-def test_the_same_step_at_two_layouts(tiny_model, tmp_path):
+def test_the_same_step_at_two_layouts(tiny_model, tmp_path, shared_ray):
     """One step through train at dp 2 and at pp 2: the same rollouts, and the actor's loss,
     gradient norm and statistics equal up to float rounding (log-probs reassembled from
     data-parallel shards, the batch split over replicas, the stages' sync all agree)."""
@@ -196,7 +196,7 @@ def test_the_same_step_at_two_layouts(tiny_model, tmp_path):
         raw["parallel"].update(tp_size=tp, pp_size=pp)
         raw["trainer"].update(num_steps=1, val_before_train=False, val_every=0)
         raw["checkpoint"]["save_every"] = 0
-        train(config_from_dict(raw, name))
+        train(config_from_dict(joined(raw, shared_ray), name))
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         results[name] = json.loads(lines[0])
     dp2, pp2 = results["dp2"], results["pp2"]

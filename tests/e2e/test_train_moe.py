@@ -12,11 +12,11 @@ import torch
 
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.run.trainer import train
-from tests.e2e.conftest import run_config
+from tests.e2e.conftest import joined, run_config
 
 
 @pytest.mark.timeout(600)
-def test_train_moe_at_ep2_end_to_end(tiny_moe, tmp_path):
+def test_train_moe_at_ep2_end_to_end(tiny_moe, tmp_path, shared_ray):
     seen = {}
 
     def inspect(actor, engines):
@@ -30,7 +30,7 @@ def test_train_moe_at_ep2_end_to_end(tiny_moe, tmp_path):
     # The tiny model's config.json has output_router_logits false (HF's default), which the
     # default coefficient follows (0, no load-balancing loss): set one, to train with it.
     raw["model"]["moe_aux_loss_coeff"] = 0.001
-    config = config_from_dict(raw, "e2e")
+    config = config_from_dict(joined(raw, shared_ray), "e2e")
     assert (config.model.family, config.model.moe_aux_loss_coeff) == ("qwen3_moe", 0.001)
     train(config, inspect=inspect)
 

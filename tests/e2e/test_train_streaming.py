@@ -12,7 +12,7 @@ from dapo_megatron.ckpt.dcp_io import latest_checkpoint
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.run.resume import STREAM_STATE
 from dapo_megatron.run.trainer import train
-from tests.e2e.conftest import FOUR_STEPS, run_config, step_metrics
+from tests.e2e.conftest import FOUR_STEPS, ONE_RANK, joined, run_config, step_metrics
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -24,14 +24,14 @@ def _streamed(root, out, **overrides):
     return raw
 
 
-def test_streaming_with_one_tick_per_round_trains_as_rounds_do(tiny_model, tmp_path, uninterrupted):
+def test_streaming_with_one_tick_per_round_trains_as_rounds_do(tiny_model, tmp_path, uninterrupted, shared_ray):
     """Every metric of the rounds (the uninterrupted run's first two steps, which
     test_resume shows a two-step run of the same config logs too), to the bit, from the
     streamed path when each tick covers a whole round (chunks of max_response_length
     tokens, a round in flight)."""
     streamed = run_config(tiny_model, tmp_path / "streamed", **{**FOUR_STEPS, "trainer.num_steps": 2})
     streamed["rollout"].update(streaming=True, stream_chunk_tokens=6, max_prompts_in_flight=4)
-    train(config_from_dict(streamed, "e2e"))
+    train(config_from_dict(joined(streamed, shared_ray), "e2e"))
     expected, got = step_metrics(uninterrupted[0]), step_metrics(tmp_path / "streamed")
     assert sorted(got) == [1, 2] and sorted(expected) == [1, 2, 3, 4]
     for step in (1, 2):
@@ -39,20 +39,20 @@ def test_streaming_with_one_tick_per_round_trains_as_rounds_do(tiny_model, tmp_p
         assert got[step]["stream/aborted_tokens"] == 0.0  # a round ends when its last group does
 
 
-def test_a_streamed_run_with_carried_and_partial_groups_resumes_exactly(tiny_model, tmp_path):
+def test_a_streamed_run_with_carried_and_partial_groups_resumes_exactly(tiny_model, tmp_path, shared_ray):
     switches = {"carry_over": True, "partial_rollout": True}
     whole, split = tmp_path / "whole", tmp_path / "split"
-    raw = _streamed(tiny_model, whole)
+    raw = _streamed(tiny_model, whole, **ONE_RANK)
     raw["rollout"].update(switches)
-    train(config_from_dict(raw, "e2e"))
-    raw = _streamed(tiny_model, split, **{"trainer.num_steps": 2})
+    train(config_from_dict(joined(raw, shared_ray), "e2e"))
+    raw = _streamed(tiny_model, split, **{"trainer.num_steps": 2, **ONE_RANK})
     raw["rollout"].update(switches)
-    train(config_from_dict(raw, "e2e"))
+    train(config_from_dict(joined(raw, shared_ray), "e2e"))
     state = torch.load(latest_checkpoint(split / "checkpoints") / STREAM_STATE, weights_only=True)
     assert state["partial"] or state["carried_sizes"]  # something was in flight at the save
-    raw = _streamed(tiny_model, split)
+    raw = _streamed(tiny_model, split, **ONE_RANK)
     raw["rollout"].update(switches)
-    train(config_from_dict(raw, "e2e"), resume=True)
+    train(config_from_dict(joined(raw, shared_ray), "e2e"), resume=True)
     expected, got = step_metrics(whole), step_metrics(split)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for step in expected:

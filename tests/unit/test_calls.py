@@ -56,7 +56,7 @@ def test_a_member_that_cannot_be_placed_is_named_as_not_started(one_cpu_cluster)
 def test_placed_members_may_take_longer_than_the_placement_bound(one_cpu_cluster):
     members = [_Member.options(num_cpus=0).remote() for _ in range(2)]
     call_all([m.work.remote(0) for m in members], "actor rank")  # both started
-    refs = [m.work.remote(4) for m in members]
+    refs = [m.work.remote(2) for m in members]
     assert call_all(refs, "actor rank", members=members, schedule_timeout_s=1) == ["done", "done"]
 
 
@@ -72,6 +72,6 @@ class _SlowToStart:
 def test_a_start_that_keeps_making_progress_is_not_cut_short(one_cpu_cluster):
     """Members that come up one after another, each later than the bound from the first
     call, as many stand-ins do on two cores: the wait goes on while any starts."""
-    members = [_SlowToStart.remote(seconds) for seconds in (2, 7, 12)]
+    members = [_SlowToStart.remote(seconds) for seconds in (1.5, 5, 8.5)]
     refs = [m.work.remote() for m in members]
-    assert call_all(refs, "stand-in", members=members, schedule_timeout_s=6) == ["done"] * 3
+    assert call_all(refs, "stand-in", members=members, schedule_timeout_s=4.5) == ["done"] * 3
