@@ -76,10 +76,14 @@ class PrivateRay:
     mode 0600 (an earlier instance's file there is replaced). On leaving, the file is
     removed and this process's environment and Ray settings are as they were. Enter it
     before starting the instance, leave it once the instance has stopped.
+
+    With ``join=True`` the block talks to an instance someone else started that way (its
+    secret already in ``folder / TOKEN_FILE``): the file is used as it is and kept.
     """
 
-    def __init__(self, folder: str | os.PathLike) -> None:
+    def __init__(self, folder: str | os.PathLike, *, join: bool = False) -> None:
         self.token_file = Path(folder) / TOKEN_FILE
+        self._join = join
         self._saved_env: dict[str, Optional[str]] = {}
         self._saved_cluster_mode = True
         self._active = False
@@ -87,10 +91,14 @@ class PrivateRay:
     def __enter__(self) -> PrivateRay:
         if self._active:
             raise RuntimeError("this PrivateRay is already in use")
-        self.token_file.unlink(missing_ok=True)
-        descriptor = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(secrets.token_hex(32))
+        if self._join:
+            if not self.token_file.is_file():
+                raise FileNotFoundError(f"no Ray token to join with at {self.token_file}")
+        else:
+            self.token_file.unlink(missing_ok=True)
+            descriptor = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(secrets.token_hex(32))
         self._saved_env = {name: os.environ.get(name) for name in _AUTH_VARIABLES + (_SINGLE_MACHINE,)}
         os.environ.pop("RAY_AUTH_TOKEN", None)
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_file))
@@ -110,7 +118,8 @@ class PrivateRay:
         if not self._active:
             return
         self._active = False
-        self.token_file.unlink(missing_ok=True)
+        if not self._join:
+            self.token_file.unlink(missing_ok=True)
         for name, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(name, None)

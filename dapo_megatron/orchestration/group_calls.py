@@ -81,7 +81,7 @@ def call_all(
             )
         if not done:
             waiting = [(names[position[ref]] if names else what, members[position[ref]]) for ref in pending]
-            unplaced = _unscheduled(waiting)
+            unplaced = unscheduled(waiting)
             if not unplaced:
                 deadline = None  # every member has started: wait for their work as before
             elif len(unplaced) < not_started:
@@ -136,7 +136,7 @@ health): seconds of work at most; past this it is hung."""
 _NOT_STARTED = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
 
 
-def _unscheduled(waiting: list[tuple[str, Any]]) -> list[str]:
+def unscheduled(waiting: list[tuple[str, Any]]) -> list[str]:
     """The names of the members of ``waiting`` (name, actor) that Ray has not started:
     no node has their resources free, or their worker process has not come up yet."""
     from ray._private import state

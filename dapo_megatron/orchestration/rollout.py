@@ -38,9 +38,9 @@ from dapo_megatron.orchestration.cluster import separate_cpu_cores
 from dapo_megatron.orchestration.group_calls import (
     CONTROL_TIMEOUT_S,
     SHUTDOWN_TIMEOUT_S,
-    _unscheduled,
     call_all,
     stop_all,
+    unscheduled,
 )
 from dapo_megatron.orchestration.placement import (
     actor_on_gpu,
@@ -423,7 +423,7 @@ class RolloutWorkers:
             # An engine Ray never placed has no process to answer a shutdown (waiting for
             # it would only run out the bound): it is killed at once, first.
             try:
-                unplaced = set(_unscheduled(list(enumerate(engines))))
+                unplaced = set(unscheduled(list(enumerate(engines))))
             except Exception as exc:  # Ray's state unreadable: wait for every engine, as for a started one
                 logger.warning("rollout engine shutdown: cannot tell which engines were never placed: %s", exc)
         stop_all([e for i, e in enumerate(engines) if i in unplaced], "rollout engine", timeout_s=0.0)

@@ -249,25 +249,12 @@ def driver_of(head: tuple[str, Path]) -> Iterator[str]:
     file)``, :func:`tests.e2e.ray_head.ray_head`) as a driver of a private instance does:
     with its token, loopback only; the address, for a run to join (:func:`joined`).
     Afterwards this process's environment and Ray settings are as they were."""
-    from dapo_megatron.orchestration.cluster import _reload_ray_auth_settings, _set_ray_cluster_mode
+    from dapo_megatron.orchestration.cluster import TOKEN_FILE, PrivateRay
 
     address, token = head
-    names = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.pop("RAY_AUTH_TOKEN", None)
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    cluster_mode = _set_ray_cluster_mode(False)
-    _reload_ray_auth_settings()
-    try:
+    assert token.name == TOKEN_FILE, token
+    with PrivateRay(token.parent, join=True):
         yield address
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        _set_ray_cluster_mode(cluster_mode)
-        _reload_ray_auth_settings()
 
 
 @pytest.fixture

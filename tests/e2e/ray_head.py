@@ -27,7 +27,8 @@ from pathlib import Path
 
 import psutil
 
-TOKEN_FILE = "auth_token"
+from dapo_megatron.orchestration.cluster import TOKEN_FILE
+
 REPO = Path(__file__).resolve().parents[2]
 
 
