@@ -227,7 +227,7 @@ def main() -> None:
         system = start_system(base, run_dir, stack)
         load_initial_weights(system.actor, base)
         tokenizer, train_data, _, _ = load_run_data(base)
-        sampling = training_sampling(base, tokenizer)
+        sampling = training_sampling(base.rollout, tokenizer)
         system.sync_engines(0)
         version = 0
         for name, switches in MODES.items():

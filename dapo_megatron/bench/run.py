@@ -192,7 +192,7 @@ class _Bench:
 
         d, r = self.config.data, self.config.rollout
         prompts = self.loader.next_batch(d.gen_batch_size or d.train_batch_size)
-        sampling = training_sampling(self.config, self.tokenizer)
+        sampling = training_sampling(self.config.rollout, self.tokenizer)
         return prompts, round_sampling(sampling, r.seed, 0, round_index, len(prompts), r.n_samples_per_prompt)
 
     def generate(self, measure: bool) -> None:
@@ -218,7 +218,7 @@ class _Bench:
                 params,
                 r.n_samples_per_prompt,
                 round_index,
-                self.config,
+                self.config.algorithm,
                 self.tokenizer,
                 times,
             )
@@ -347,7 +347,9 @@ class _Bench:
         from dapo_megatron.run.step import StepRunner
         from dapo_megatron.sampling.rounds import training_sampling
 
-        stepper = StepRunner(self.system, self.loader, training_sampling(self.config, self.tokenizer), self.tokenizer)
+        stepper = StepRunner(
+            self.system, self.loader, training_sampling(self.config.rollout, self.tokenizer), self.tokenizer
+        )
         steps: list[dict] = []
         counter = iter(range(1, 1_000_000))
         record: dict = {}

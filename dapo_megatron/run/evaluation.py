@@ -28,7 +28,7 @@ from typing import Optional
 
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.ckpt.convert import export_hf
-from dapo_megatron.config import Config, ConfigError
+from dapo_megatron.config import Config, ConfigError, RolloutConfig
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.run.signals import StopNow
@@ -174,9 +174,9 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def validation_sampling(config: Config, tokenizer) -> SamplingParams:
+def validation_sampling(rollout: RolloutConfig, tokenizer) -> SamplingParams:
     """``rollout.val_*``: the sampling of validation and ``eval`` (seeded: repeatable)."""
-    r = config.rollout
+    r = rollout
     return SamplingParams(
         r.val_temperature, r.val_top_p, -1, r.max_response_length, (tokenizer.eos_token_id,), seed=r.seed
     )
@@ -190,7 +190,15 @@ def evaluate_policy(
     start = time.perf_counter()
     n = config.rollout.val_n_samples
     samples = generate_and_score(
-        engines, rewards, prompts, validation_sampling(config, tokenizer), n, -1, config, tokenizer, {}
+        engines,
+        rewards,
+        prompts,
+        validation_sampling(config.rollout, tokenizer),
+        n,
+        -1,
+        config.algorithm,
+        tokenizer,
+        {},
     )
     return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}, samples
 

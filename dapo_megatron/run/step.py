@@ -133,7 +133,16 @@ class StepRunner:
         on one running system)."""
         self.system, self.loader, self.sampling, self.tokenizer = system, loader, sampling, tokenizer
         self.config = config or system.config
-        self.sampler = make_sampler(system.engines, system.rewards, loader, sampling, self.config, tokenizer)
+        self.sampler = make_sampler(
+            system.engines,
+            system.rewards,
+            loader,
+            sampling,
+            tokenizer,
+            rollout=self.config.rollout,
+            algorithm=self.config.algorithm,
+            data=self.config.data,
+        )
         r = self.config.rollout
         if (
             r.carries_over

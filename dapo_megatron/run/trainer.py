@@ -161,7 +161,9 @@ def train(
     make_run_folder(run_dir)
     with ExitStack() as stack:
         system = start_system(config, run_dir, stack)
-        stepper = StepRunner(system, loader, training_sampling(config, tokenizer), tokenizer, checkpoints.start_step)
+        stepper = StepRunner(
+            system, loader, training_sampling(config.rollout, tokenizer), tokenizer, checkpoints.start_step
+        )
         checkpoints.restore(system.actor, stepper)
         if reference is not None:
             system.actor.load_reference(*reference)

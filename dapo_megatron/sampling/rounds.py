@@ -7,6 +7,10 @@ are the two ways a step collects its batch; both answer ``collect(step, version,
 and keep what a checkpoint needs in ``state_dict`` (rounds keep nothing: every round's
 seeds derive from (step, round), and dynamic sampling drops its surplus at the end of a
 step). :func:`make_sampler` picks one from ``rollout.streaming``.
+
+A sampler is given the three sections it reads, and nothing else of the run's config:
+``rollout`` (responses per prompt, seed, lengths, streaming), ``algorithm`` (reward
+shaping, dynamic sampling) and ``data`` (batch sizes).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import replace
 
 from dapo_megatron.algo import DynamicSamplingAccumulator
 from dapo_megatron.algo.rewards.pool import RewardPool
-from dapo_megatron.config import Config
+from dapo_megatron.config import AlgorithmConfig, DataConfig, RolloutConfig
 from dapo_megatron.data import (
     PromptLoader,
 )
@@ -33,9 +37,9 @@ from dapo_megatron.sampling.samples import (
 from dapo_megatron.sampling.streaming import StreamingSampler
 
 
-def training_sampling(config: Config, tokenizer) -> SamplingParams:
+def training_sampling(rollout: RolloutConfig, tokenizer) -> SamplingParams:
     """``rollout.*``: the sampling of training rollouts (stopping at the tokenizer's EOS)."""
-    r = config.rollout
+    r = rollout
     return SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, (tokenizer.eos_token_id,))
 
 
@@ -47,60 +51,6 @@ def round_sampling(
     return replace(sampling, seed=None, row_seeds=sampling_seeds(seed, step, round_index, num_prompts, n))
 
 
-def _collect_groups(
-    engines: RolloutWorkers,
-    rewards: RewardPool,
-    loader: PromptLoader,
-    sampling: SamplingParams,
-    config: Config,
-    tokenizer,
-    step: int,
-    times: dict[str, float],
-) -> tuple[list[Sample], dict[str, float]]:
-    """Rounds of generation and scoring until dynamic sampling holds ``train_batch_size``
-    groups (or fails after ``max_num_gen_batches`` rounds, naming the knobs). Returns the
-    kept samples (groups consecutive) and the rollout's metrics."""
-    r, a, d = config.rollout, config.algorithm, config.data
-    accumulator = DynamicSamplingAccumulator(
-        d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
-    )
-    generated_tokens = all_equal = groups = timeouts = errors = aborted = 0
-    round_index = 0
-    while not accumulator.is_full:
-        prompts = loader.next_batch(d.gen_batch_size or d.train_batch_size)
-        params = round_sampling(sampling, r.seed, step, round_index, len(prompts), r.n_samples_per_prompt)
-        samples = generate_and_score(
-            engines, rewards, prompts, params, r.n_samples_per_prompt, round_index, config, tokenizer, times
-        )
-        generated_tokens += sum(len(s.response_ids) for s in samples)
-        samples, round_aborted = drop_aborted_groups(samples)
-        aborted += round_aborted
-        timeouts += sum(s.timed_out for s in samples)
-        errors += sum(s.reward_error for s in samples)
-        outcomes: dict = {}
-        for sample in samples:
-            outcomes.setdefault(sample.group_id, set()).add(sample.correct)
-        groups += len(outcomes)
-        all_equal += sum(len(o) == 1 for o in outcomes.values())
-        round_index += 1
-        accumulator.add(samples, [float(s.correct) for s in samples])
-    kept, _, sampling_metrics = accumulator.take()
-    metrics = {
-        **response_metrics(kept, r.max_response_length),
-        # Every reward call of the step counts, also those whose groups were dropped.
-        "reward/timeouts": float(timeouts),
-        "reward/errors": float(errors),
-        "rollout/aborted_responses": float(aborted),
-        **{f"dynamic_sampling/{k}": v for k, v in sampling_metrics.items()},
-        "dynamic_sampling/batch_groups": len(kept) / r.n_samples_per_prompt,
-        "dynamic_sampling/all_equal_share": all_equal / max(groups, 1),
-        "throughput/generate_tokens_per_s": generated_tokens / max(times["generate"], 1e-9),
-        "throughput/reward_responses_per_s": groups * r.n_samples_per_prompt / max(times["reward"], 1e-9),
-        "data/epoch": float(loader.epoch),
-    }
-    return kept, metrics
-
-
 def generate_and_score(
     engines: RolloutWorkers,
     rewards: RewardPool,
@@ -108,18 +58,19 @@ def generate_and_score(
     params: SamplingParams,
     n: int,
     round_index: int,
-    config: Config,
+    algorithm: AlgorithmConfig,
     tokenizer,
     times: dict[str, float],
 ) -> list[Sample]:
-    """``n`` responses per prompt, scored with the overlong punishment; the seconds of
-    both go to ``times['generate']`` and ``times['reward']``."""
+    """``n`` responses per prompt, scored with ``algorithm``'s overlong punishment (at
+    ``params.max_new_tokens``, the response length sampled to); the seconds of both go
+    to ``times['generate']`` and ``times['reward']``."""
     with timed(times, "generate"):
         generations = engines.generate([list(p.token_ids) for p in prompts], params, n)
     samples = samples_from_generations(prompts, generations, round_index, tokenizer)
     with timed(times, "reward"):
         results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
-        apply_rewards(samples, results, config.algorithm, config.rollout.max_response_length)
+        apply_rewards(samples, results, algorithm, params.max_new_tokens)
     return samples
 
 
@@ -127,16 +78,74 @@ class RoundSampler:
     """Rounds of generation and scoring until dynamic sampling holds the batch (see the
     module docstring)."""
 
-    def __init__(self, engines, rewards, loader, sampling: SamplingParams, config: Config, tokenizer) -> None:
+    def __init__(
+        self,
+        engines: RolloutWorkers,
+        rewards: RewardPool,
+        loader: PromptLoader,
+        sampling: SamplingParams,
+        tokenizer,
+        *,
+        rollout: RolloutConfig,
+        algorithm: AlgorithmConfig,
+        data: DataConfig,
+    ) -> None:
         self.engines, self.rewards, self.loader = engines, rewards, loader
-        self.sampling, self.config, self.tokenizer = sampling, config, tokenizer
+        self.sampling, self.tokenizer = sampling, tokenizer
+        self.rollout, self.algorithm, self.data = rollout, algorithm, data
 
     def collect(self, step: int, version: int, times: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
-        """Step ``step``'s kept samples (groups consecutive) and the rollout's metrics; the
-        engines' weights are ``version`` (each sample carries the version its engine reports)."""
-        return _collect_groups(
-            self.engines, self.rewards, self.loader, self.sampling, self.config, self.tokenizer, step, times
+        """Step ``step``'s kept samples (groups consecutive) and the rollout's metrics: rounds
+        of generation and scoring until dynamic sampling holds ``train_batch_size`` groups
+        (or fails after ``max_num_gen_batches`` rounds, naming the knobs). The engines'
+        weights are ``version`` (each sample carries the version its engine reports)."""
+        r, a, d = self.rollout, self.algorithm, self.data
+        accumulator = DynamicSamplingAccumulator(
+            d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
         )
+        generated_tokens = all_equal = groups = timeouts = errors = aborted = 0
+        round_index = 0
+        while not accumulator.is_full:
+            prompts = self.loader.next_batch(d.gen_batch_size or d.train_batch_size)
+            params = round_sampling(self.sampling, r.seed, step, round_index, len(prompts), r.n_samples_per_prompt)
+            samples = generate_and_score(
+                self.engines,
+                self.rewards,
+                prompts,
+                params,
+                r.n_samples_per_prompt,
+                round_index,
+                a,
+                self.tokenizer,
+                times,
+            )
+            generated_tokens += sum(len(s.response_ids) for s in samples)
+            samples, round_aborted = drop_aborted_groups(samples)
+            aborted += round_aborted
+            timeouts += sum(s.timed_out for s in samples)
+            errors += sum(s.reward_error for s in samples)
+            outcomes: dict = {}
+            for sample in samples:
+                outcomes.setdefault(sample.group_id, set()).add(sample.correct)
+            groups += len(outcomes)
+            all_equal += sum(len(o) == 1 for o in outcomes.values())
+            round_index += 1
+            accumulator.add(samples, [float(s.correct) for s in samples])
+        kept, _, sampling_metrics = accumulator.take()
+        metrics = {
+            **response_metrics(kept, r.max_response_length),
+            # Every reward call of the step counts, also those whose groups were dropped.
+            "reward/timeouts": float(timeouts),
+            "reward/errors": float(errors),
+            "rollout/aborted_responses": float(aborted),
+            **{f"dynamic_sampling/{k}": v for k, v in sampling_metrics.items()},
+            "dynamic_sampling/batch_groups": len(kept) / r.n_samples_per_prompt,
+            "dynamic_sampling/all_equal_share": all_equal / max(groups, 1),
+            "throughput/generate_tokens_per_s": generated_tokens / max(times["generate"], 1e-9),
+            "throughput/reward_responses_per_s": groups * r.n_samples_per_prompt / max(times["reward"], 1e-9),
+            "data/epoch": float(self.loader.epoch),
+        }
+        return kept, metrics
 
     def state_dict(self) -> None:
         """Nothing to keep between steps."""
@@ -146,7 +155,17 @@ class RoundSampler:
         """Nothing to restore."""
 
 
-def make_sampler(engines, rewards, loader, sampling: SamplingParams, config: Config, tokenizer):
+def make_sampler(
+    engines: RolloutWorkers,
+    rewards: RewardPool,
+    loader: PromptLoader,
+    sampling: SamplingParams,
+    tokenizer,
+    *,
+    rollout: RolloutConfig,
+    algorithm: AlgorithmConfig,
+    data: DataConfig,
+):
     """The step's sampler: streamed (``rollout.streaming``) or in rounds."""
-    kind = StreamingSampler if config.rollout.streaming else RoundSampler
-    return kind(engines, rewards, loader, sampling, config, tokenizer)
+    kind = StreamingSampler if rollout.streaming else RoundSampler
+    return kind(engines, rewards, loader, sampling, tokenizer, rollout=rollout, algorithm=algorithm, data=data)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from dapo_megatron.algo.dynamic_sampling import DynamicSamplingExhausted
-from dapo_megatron.config import Config
+from dapo_megatron.config import AlgorithmConfig, DataConfig, RolloutConfig
 from dapo_megatron.data import Prompt
 from dapo_megatron.rollout.engine import SamplingParams, StreamGroup, StreamRow
 from dapo_megatron.rollout.seeds import prompt_sampling_seeds
@@ -121,9 +121,21 @@ class StreamingSampler:
     with ``stream_tick`` and ``engines``); ``rewards``: the reward pool.
     """
 
-    def __init__(self, engines, rewards, loader, sampling: SamplingParams, config: Config, tokenizer) -> None:
+    def __init__(
+        self,
+        engines,
+        rewards,
+        loader,
+        sampling: SamplingParams,
+        tokenizer,
+        *,
+        rollout: RolloutConfig,
+        algorithm: AlgorithmConfig,
+        data: DataConfig,
+    ) -> None:
         self.engines, self.rewards, self.loader = engines, rewards, loader
-        self.sampling, self.config, self.tokenizer = sampling, config, tokenizer
+        self.sampling, self.tokenizer = sampling, tokenizer
+        self.rollout, self.algorithm, self.data = rollout, algorithm, data
         self.carried: list[list[Sample]] = []  # kept groups beyond the last batch
         self.partial: list[_Open] = []  # groups cut by the last abort, to continue
         self.timeline: list[dict] = []  # the last step's ticks: start, wall, each engine's busy seconds
@@ -134,7 +146,7 @@ class StreamingSampler:
         """Step ``step``'s batch, the actor being at ``version`` (what the engines hold);
         its samples (groups consecutive) and the rollout's metrics. ``times`` gets the
         seconds of ``generate`` (engine ticks) and ``reward``."""
-        r, a, d = self.config.rollout, self.config.algorithm, self.config.data
+        r, a, d = self.rollout, self.algorithm, self.data
         batch_size = d.train_batch_size
         per_round = d.gen_batch_size or batch_size
         num_engines = len(self.engines.engines)
@@ -247,7 +259,7 @@ class StreamingSampler:
         """Draw ``index`` of ``step``: its rows seeded as generation round ``index //
         gen_batch_size``'s prompt ``index % gen_batch_size`` would be (so streaming with
         one tick per round samples what rounds do)."""
-        r, d = self.config.rollout, self.config.data
+        r, d = self.rollout, self.data
         per_round = d.gen_batch_size or d.train_batch_size
         round_index, position = divmod(index, per_round)
         n = r.n_samples_per_prompt
@@ -268,7 +280,7 @@ class StreamingSampler:
         flat = [sample for group in groups for sample in group]
         start = time.perf_counter()
         results = self.rewards.score([s.text for s in flat], [s.prompt.ground_truth for s in flat])
-        apply_rewards(flat, results, self.config.algorithm, self.config.rollout.max_response_length)
+        apply_rewards(flat, results, self.algorithm, self.rollout.max_response_length)
         times["reward"] = times.get("reward", 0.0) + time.perf_counter() - start
         c.timeouts += sum(s.timed_out for s in flat)
         c.errors += sum(s.reward_error for s in flat)
@@ -279,7 +291,7 @@ class StreamingSampler:
             outcomes = {s.correct for s in group}
             if len(outcomes) == 1:
                 c.all_equal += 1
-                if self.config.algorithm.dynamic_sampling:
+                if self.algorithm.dynamic_sampling:
                     continue
             kept.append(group)
         return kept
@@ -304,7 +316,7 @@ class StreamingSampler:
         return samples
 
     def _exhausted_message(self, drawn: int, c: _Counts, num_kept: int) -> str:
-        a, d = self.config.algorithm, self.config.data
+        a, d = self.algorithm, self.data
         ratio = num_kept / c.generated_groups if c.generated_groups else 0.0
         return (
             f"dynamic sampling could not fill the batch: {drawn} prompts were drawn this step (the bound: "
@@ -316,7 +328,7 @@ class StreamingSampler:
         )
 
     def _metrics(self, batch, c: _Counts, drawn, per_round, surplus, phase, times) -> dict[str, float]:
-        r = self.config.rollout
+        r = self.rollout
         trained_tokens = sum(len(s.response_ids) for s in batch)
         versions = [v for s in batch for v in (s.token_versions or [s.policy_version])]
         busy = [sum(tick["busy"][e] for tick in self.timeline) for e in range(len(self.engines.engines))]

@@ -19,7 +19,7 @@ from dapo_megatron.orchestration.cluster import RayCluster
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.run.step import check_staleness
 from dapo_megatron.run.system import load_run_data
-from dapo_megatron.sampling.rounds import _collect_groups, training_sampling
+from dapo_megatron.sampling.rounds import RoundSampler, training_sampling
 from dapo_megatron.sampling.streaming import StreamingSampler
 from tests.e2e.conftest import driver_of, joined, run_config
 
@@ -69,7 +69,14 @@ def _parts(config, engines):
 
 def _sampler(config, engines, rewards):
     tokenizer, _, _, loader = load_run_data(config)
-    return StreamingSampler(engines, rewards, loader, training_sampling(config, tokenizer), config, tokenizer)
+    return StreamingSampler(
+        engines, rewards, loader, training_sampling(config.rollout, tokenizer), tokenizer, **_sections(config)
+    )
+
+
+def _sections(config):
+    """What a sampler is given of the run's config."""
+    return {"rollout": config.rollout, "algorithm": config.algorithm, "data": config.data}
 
 
 def _rows(samples):
@@ -100,10 +107,11 @@ def test_streaming_with_one_tick_per_round_samples_the_rounds_batches(tiny_model
     config = _config(tiny_model, tmp_path / "run", stream_chunk_tokens=12, max_prompts_in_flight=4)
     with _parts(config, shared_engines) as (engines, rewards):
         tokenizer, _, _, loader = load_run_data(config)
-        sampling = training_sampling(config, tokenizer)
+        sampling = training_sampling(config.rollout, tokenizer)
         rounds = []
+        in_rounds = RoundSampler(engines, rewards, loader, sampling, tokenizer, **_sections(config))
         for step in (1, 2, 3):
-            samples, metrics = _collect_groups(engines, rewards, loader, sampling, config, tokenizer, step, {})
+            samples, metrics = in_rounds.collect(step, -1, {})
             rounds.append((samples, metrics))
         streamed = _sampler(config, engines, rewards)
         for step, (expected, expected_metrics) in zip((1, 2, 3), rounds):

@@ -196,7 +196,16 @@ def test_a_group_that_completed_before_the_abort_is_scored_not_counted_as_aborte
     raw = tiny(rollout=rollout, data={"train_batch_size": 1, "gen_batch_size": 3, "mini_batch_size": 2})
     config = config_from_dict(raw)
     engines = _AbortRaceEngines()
-    sampler = StreamingSampler(engines, _Rewards(), _Loader(), SAMPLING, config, _Tokenizer())
+    sampler = StreamingSampler(
+        engines,
+        _Rewards(),
+        _Loader(),
+        SAMPLING,
+        _Tokenizer(),
+        rollout=config.rollout,
+        algorithm=config.algorithm,
+        data=config.data,
+    )
     batch, metrics = sampler.collect(step=1, version=7, times={})
     assert [s.group_id for s in batch] == [(1, 0), (1, 0)]
     assert metrics["dynamic_sampling/generated"] == 2  # groups 0 and 1 were scored
