@@ -7,7 +7,7 @@ The config (``SlurmConfig``): the node as `slurmd -C` reports it; `proctrack/cgr
 `task/cgroup` where cgroup v1 is mounted (its freezer hierarchy), else `proctrack/linuxproc`;
 `select/cons_tres`; one partition `main`; settings that shorten the job cycle:
 `AuthInfo=cred_expire=5` (a requeued job may start again after 5 s instead of 120),
-`SchedulerParameters=sched_interval=5`, `KillWait=5`, `FirstJobId` from the clock (job ids of its own,
+`SchedulerParameters=sched_interval=1`, `KillWait=5`, `FirstJobId` from the clock (job ids of its own,
 not those of an earlier session), and `MinJobAge=600` so that finished
 jobs stay visible to `scontrol show job` (there is no slurmdbd, hence no `sacct`).
 
@@ -97,7 +97,7 @@ class SlurmConfig:
     kill_wait: int = 5
     min_job_age: int = 600
     cred_expire: int = 5
-    sched_interval: int = 5
+    sched_interval: int = 1
     extra: tuple[tuple[str, str], ...] = ()
 
 

@@ -24,7 +24,7 @@ from tests.slurm.conftest import Partition
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "examples" / "qwen2_5_32b"
-STEPS = 4
+STEPS = 3
 JOB_TIMEOUT_S = 420
 
 
@@ -35,7 +35,7 @@ def task(tmp_path_factory) -> Path:
 
 
 def _overrides(task: Path) -> list[str]:
-    """The demo recipe, made small: the tiny model, 4 steps of 4 prompts, a checkpoint
+    """The demo recipe, made small: the tiny model, 3 steps of 4 prompts, a checkpoint
     every step, no validation, the tests' reward."""
     return [
         f"model.hf_config={task / 'model'}",
