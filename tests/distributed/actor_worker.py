@@ -277,10 +277,10 @@ def resume_and_step(workdir: str, tp_size: int, pp_size: int, vocab_size: int = 
 
 
 def _save_weights(actor, path: str) -> None:
-    from megatron.core import dist_checkpointing
+    from dapo_megatron.actor.checkpoint import save_dist_checkpoint
 
     os.makedirs(path, exist_ok=True)
-    dist_checkpointing.save(actor.gpt.sharded_state_dict(prefix=""), path)
+    save_dist_checkpoint(actor.gpt.sharded_state_dict(prefix=""), path)
 
 
 # ---------------------------------------------------------------- fused path vs megatron's own output layer

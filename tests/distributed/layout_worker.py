@@ -81,10 +81,10 @@ def _sharded(model):
 
 
 def _save(model, path: str) -> None:
-    from megatron.core import dist_checkpointing
+    from dapo_megatron.actor.checkpoint import save_dist_checkpoint
 
     os.makedirs(path, exist_ok=True)
-    dist_checkpointing.save(_sharded(model), path)
+    save_dist_checkpoint(_sharded(model), path)
 
 
 def save_initial(workdir: str, vocab_size: int = 128) -> None:

@@ -27,11 +27,13 @@ def moe_config(tp_size: int, ep_size: int, dp_size: int):
     return cfg
 
 
-def load_sync_train_save(workdir: str, tp_size: int, ep_size: int, dp_size: int, source: str, tag: str) -> None:
+def load_sync_train_save(
+    workdir: str, tp_size: int, ep_size: int, dp_size: int, source: str, tag: str, save: bool = True
+) -> None:
     """``source``: ``mg`` (a converted checkpoint: model weights only) or the name of a
     trainer checkpoint folder (everything restored). Writes ``{tag}.pt`` (log-probs
     before and after the step, the engine's weights after each sync, the step's metrics)
-    and the trainer checkpoint ``ckpt_{tag}``."""
+    and, with ``save``, the trainer checkpoint ``ckpt_{tag}`` (named in ``{tag}.pt``)."""
     cfg = moe_config(tp_size, ep_size, dp_size)
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
         actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
@@ -47,7 +49,8 @@ def load_sync_train_save(workdir: str, tp_size: int, ep_size: int, dp_size: int,
         metrics = actor.train(shard_for_data_parallel(batch, info.dp_rank, dp_size, NUM_MINI_BATCHES), NUM_MINI_BATCHES)
         after = old_log_probs_as_trained(actor, batch, info.dp_rank, dp_size)
         sync_weights(actor, engine, bucket_bytes=64 * 1024)
-        save_checkpoint(actor, os.path.join(workdir, f"ckpt_{tag}"))
+        if save:
+            save_checkpoint(actor, os.path.join(workdir, f"ckpt_{tag}"))
         if info.rank == 0:
             torch.save(
                 {
@@ -56,7 +59,7 @@ def load_sync_train_save(workdir: str, tp_size: int, ep_size: int, dp_size: int,
                     "engine_before": engine_before,
                     "engine_after": engine.state_dict(),
                     "metrics": [update.as_dict() for update in metrics],
-                    "checkpoint": str(list_checkpoints(os.path.join(workdir, f"ckpt_{tag}"))[-1]),
+                    "checkpoint": str(list_checkpoints(os.path.join(workdir, f"ckpt_{tag}"))[-1]) if save else None,
                 },
                 os.path.join(workdir, f"{tag}.pt"),
             )

@@ -10,15 +10,16 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dapo_megatron.runtime.launch import launch_local
 from tests.distributed import actor_worker, layout_worker
+from tests.distributed.conftest import copy_initial
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 @pytest.fixture(scope="module")
-def init_dir(tmp_path_factory):
-    """One random tiny model as a megatron dist checkpoint, shared by the tests here."""
+def init_dir(tmp_path_factory, initial_checkpoint):
+    """One random tiny model as a megatron dist checkpoint (the session's), shared by the tests here."""
     workdir = tmp_path_factory.mktemp("actor")
-    launch_local(layout_worker.save_initial, 1, (str(workdir),))
+    copy_initial(initial_checkpoint, workdir)
     return workdir
 
 

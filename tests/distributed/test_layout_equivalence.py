@@ -37,8 +37,8 @@ def _result(tmp_path, tp, pp):
 
 
 @pytest.mark.timeout(300)
-def test_tp2_pp2_matches_single_rank(tmp_path):
-    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+def test_tp2_pp2_matches_single_rank(tmp_path, with_initial):
+    with_initial(tmp_path)
     launch_local(layout_worker.train_one_step, 1, (str(tmp_path), 1, 1))
     launch_local(layout_worker.train_one_step, 4, (str(tmp_path), 2, 2))
 

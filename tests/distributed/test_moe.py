@@ -34,9 +34,10 @@ def moe_run(tmp_path_factory):
     # ep 2 x dp 2 from the converted weights; its checkpoint at ep 1; that one back at ep 2.
     launch_local(moe_worker.load_sync_train_save, 2, (str(workdir), 1, 2, 2, "mg", "ep2"))
     launch_local(moe_worker.load_sync_train_save, 1, (str(workdir), 1, 1, 1, "ckpt_ep2", "ep1"))
-    launch_local(moe_worker.load_sync_train_save, 2, (str(workdir), 1, 2, 2, "ckpt_ep1", "back_at_ep2"))
+    # (No test reads the checkpoints of these last two runs: they are not written.)
+    launch_local(moe_worker.load_sync_train_save, 2, (str(workdir), 1, 2, 2, "ckpt_ep1", "back_at_ep2", False))
     # The converted weights again, at tp 2 x ep 2 x dp 2 (sequence parallel).
-    launch_local(moe_worker.load_sync_train_save, 4, (str(workdir), 2, 2, 2, "mg", "tp2"))
+    launch_local(moe_worker.load_sync_train_save, 4, (str(workdir), 2, 2, 2, "mg", "tp2", False))
     return workdir
 
 

@@ -10,12 +10,12 @@ import torch
 
 from dapo_megatron.ckpt.convert import hf_to_megatron
 from dapo_megatron.runtime.launch import launch_local
-from tests.distributed import layout_worker, trainer_worker
+from tests.distributed import trainer_worker
 from tests.distributed.actor_worker import tiny_hf_qwen2
 
 
-def test_first_update_ratio_is_one_at_the_sampling_temperature(tmp_path):
-    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+def test_first_update_ratio_is_one_at_the_sampling_temperature(tmp_path, with_initial):
+    with_initial(tmp_path)
     launch_local(trainer_worker.ratio_at_temperature, 2, (str(tmp_path), 2, 0.7))
     results = json.loads((tmp_path / "temperature_tp2.json").read_text())
     same = results["same"]
@@ -54,8 +54,8 @@ def test_tied_weights_straight_from_hf_match_transformers(tmp_path, tp_size, pp_
     assert mask.sum() > 10 and diff < 1e-4, diff
 
 
-def test_a_mini_batch_without_loss_tokens_is_skipped_and_bad_ids_refused(tmp_path):
-    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+def test_a_mini_batch_without_loss_tokens_is_skipped_and_bad_ids_refused(tmp_path, with_initial):
+    with_initial(tmp_path)
     launch_local(trainer_worker.empty_mini_batch, 2, (str(tmp_path),))
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("empty_rank*.json"))]
     assert len(reports) == 2
@@ -69,8 +69,8 @@ def test_a_mini_batch_without_loss_tokens_is_skipped_and_bad_ids_refused(tmp_pat
     assert "token id 10000 is a response token but the vocabulary has 128 ids" in refusals[1]
 
 
-def test_a_nonfinite_update_is_skipped_on_every_rank(tmp_path):
-    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+def test_a_nonfinite_update_is_skipped_on_every_rank(tmp_path, with_initial):
+    with_initial(tmp_path)
     launch_local(trainer_worker.nonfinite_update, 2, (str(tmp_path),))
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("nonfinite_rank*.json"))]
     assert len(reports) == 2
@@ -81,8 +81,8 @@ def test_a_nonfinite_update_is_skipped_on_every_rank(tmp_path):
         assert report["good"] == {"nonfinite": 0.0, "update_skipped": 0.0} and report["moved"] > 10
 
 
-def test_a_failing_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
-    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+def test_a_failing_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, with_initial):
+    with_initial(tmp_path)
     launch_local(trainer_worker.failing_checkpoint_write, 2, (str(tmp_path),))
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("failing_write_rank*.json"))]
     assert len(reports) == 2
@@ -91,4 +91,5 @@ def test_a_failing_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
         assert f"the latest checkpoint is still {tmp_path / 'saves' / report['first']}" in report["error"]
         assert report["entries"] == ["latest", report["first"]]  # the failed save left nothing
         assert report["restored_step"] == 1 and report["restored"]
+        assert report["children_after_save"] == []  # megatron's results Manager was not spawned
     assert "No space left on device" in reports[0]["error"]

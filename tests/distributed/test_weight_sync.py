@@ -11,13 +11,14 @@ from safetensors.torch import load_file
 from dapo_megatron.ckpt.convert import megatron_to_hf
 from dapo_megatron.rollout.hf_engine import hf_config_for
 from dapo_megatron.runtime.launch import launch_local
-from tests.distributed import actor_worker, layout_worker
+from tests.distributed import actor_worker
+from tests.distributed.conftest import copy_initial
 
 
 @pytest.fixture(scope="module")
-def synced(tmp_path_factory):
+def synced(tmp_path_factory, initial_checkpoint):
     workdir = tmp_path_factory.mktemp("sync")
-    launch_local(layout_worker.save_initial, 1, (str(workdir),))
+    copy_initial(initial_checkpoint, workdir)
     launch_local(actor_worker.sync_generate_train, 4, (str(workdir), 2, 2))
     for step in (1, 2):
         _export_by_the_converter(workdir, f"actor_{step}", f"hf_{step}")
@@ -72,11 +73,11 @@ def test_engine_sampling_log_probs_agree_with_the_actor(synced):
 
 
 @pytest.mark.timeout(600)
-def test_each_replica_feeds_its_own_engines_and_no_rank_relays_more_than_its_stage(tmp_path):
+def test_each_replica_feeds_its_own_engines_and_no_rank_relays_more_than_its_stage(tmp_path, with_initial):
     """2 replicas x 2 stages, 4 engines, one per rank: every engine gets exactly the
     model, and each rank sends its own stage once, to its replica's other feeder; nothing
     crosses replicas (the first replica's leaders used to send their stage to all 3)."""
-    launch_local(layout_worker.save_initial, 1, (str(tmp_path),))
+    with_initial(tmp_path)
     launch_local(actor_worker.sync_every_rank_feeds, 4, (str(tmp_path),))
     engines = [torch.load(tmp_path / f"engine_of_rank_{rank}.pt") for rank in range(4)]
     _export_by_the_converter(tmp_path, "init", "hf_init")

@@ -150,6 +150,7 @@ def failing_checkpoint_write(workdir: str) -> None:
     written). Both ranks raise at once, nothing of that save is kept, and the first
     checkpoint stays the latest and loads."""
     import errno
+    import multiprocessing
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -164,6 +165,8 @@ def failing_checkpoint_write(workdir: str) -> None:
         shard = shard_for_data_parallel(make_batch(3, [5, 7, 2, 9]), info.dp_rank, 2, 1)
         actor.train(shard, 1)
         first = save_checkpoint(actor, save_dir)
+        # The save ran in this process: no multiprocessing child (a results Manager) is left.
+        children_after_save = [child.name for child in multiprocessing.active_children()]
         saved = {n: p.detach().clone() for n, p in actor.gpt.named_parameters()}
         actor.train(shard, 1)
         if info.rank == 0:
@@ -187,5 +190,6 @@ def failing_checkpoint_write(workdir: str) -> None:
         "entries": sorted(os.listdir(save_dir)),
         "restored_step": restored_step,
         "restored": restored,
+        "children_after_save": children_after_save,
     }
     Path(workdir, f"failing_write_rank{info.rank}.json").write_text(json.dumps(report))
