@@ -199,20 +199,22 @@ def step_metrics(run: Path) -> dict[int, dict[str, float]]:
     return steps
 
 
-@pytest.fixture(scope="session")
-def uninterrupted(tiny_model, tmp_path_factory) -> tuple[Path, dict]:
-    """:data:`FOUR_STEPS` of the tiny model without a stop, exported (one run, which every
-    test comparing with an uninterrupted run reads): the run folder, and the weights the
-    engine served at the end."""
+@pytest.fixture(scope="package")
+def uninterrupted(tiny_model, tmp_path_factory, _shared_ray_head) -> tuple[Path, dict]:
+    """:data:`FOUR_STEPS` of the tiny model without a stop, exported (one run, on the
+    package's Ray head, which every test comparing with an uninterrupted run reads): the
+    run folder, and the weights the engine served at the end."""
     from dapo_megatron.config import config_from_dict
     from dapo_megatron.run.trainer import train
 
     whole = tmp_path_factory.mktemp("whole") / "run"
     seen = {}
-    train(
-        config_from_dict(run_config(tiny_model, whole, **FOUR_STEPS, **{"checkpoint.export_hf": True})),
-        inspect=lambda actor, engines: seen.update(engine=engines.served_weights()),
-    )
+    with driver_of(_shared_ray_head) as address:
+        raw = run_config(tiny_model, whole, **FOUR_STEPS, **{"checkpoint.export_hf": True})
+        train(
+            config_from_dict(joined(raw, address)),
+            inspect=lambda actor, engines: seen.update(engine=engines.served_weights()),
+        )
     return whole, seen
 
 

@@ -8,12 +8,12 @@ import os
 import re
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
+from dapo_megatron.cli import main
 from dapo_megatron.config import load_config
 from dapo_megatron.orchestration.group_calls import MemberFailed
 from tests.e2e.conftest import LOOPBACK, listening_sockets, ray_client
@@ -23,14 +23,13 @@ RECIPE = REPO / "examples" / "qwen2_5_32b" / "dapo.yaml"
 FITS = "rollout.gpu_memory_utilization=0.35"  # the plan's memory check, at 2 nodes instead of 16 (dp 1)
 
 
-def _rehearse_cli(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dapo_megatron.cli", "plan", str(RECIPE), FITS, *overrides, "--rehearse"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
+def _rehearse_cli(capsys, *overrides: str) -> subprocess.CompletedProcess:
+    """``dapo-megatron plan RECIPE FITS *overrides --rehearse``, run by the command line's
+    own ``main`` in this process (an interpreter's start less); its status and output."""
+    capsys.readouterr()
+    status = main(["plan", str(RECIPE), FITS, *overrides, "--rehearse"])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([], status, out, err)
 
 
 def _node_blocks(text: str) -> dict[int, str]:
@@ -38,11 +37,11 @@ def _node_blocks(text: str) -> dict[int, str]:
     return {int(parts[i]): parts[i + 1] for i in range(1, len(parts), 2)}
 
 
-def test_the_recipes_node_layout_places_two_tp4_engines_on_each_node_fed_from_it():
+def test_the_recipes_node_layout_places_two_tp4_engines_on_each_node_fed_from_it(capsys):
     """The recipe's own layout (tp 8 x pp 2, 8 GPUs a node, 2 colocated engines of TP 4
     per node) on 2 of its 16 nodes: every rank on its own GPU, as Ray sets
     CUDA_VISIBLE_DEVICES; engines on GPUs 0-3 and 4-7, fed by their node's stage leader."""
-    done = _rehearse_cli("parallel.num_nodes=2", "rollout.num_engines=4")
+    done = _rehearse_cli(capsys, "parallel.num_nodes=2", "rollout.num_engines=4")
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "16 rank(s), 4 engine(s) placed" in out
@@ -61,10 +60,11 @@ def test_the_recipes_node_layout_places_two_tp4_engines_on_each_node_fed_from_it
     assert "Placement checks passed" in out
 
 
-def test_separate_engines_land_on_spare_nodes_and_wider_engines_fill_a_node():
+def test_separate_engines_land_on_spare_nodes_and_wider_engines_fill_a_node(capsys):
     """Separate engines (rollout.colocate=false) on spare nodes of their own, on GPUs no
     rank uses; then engines of TP 8, one per node of a tp 8 x pp 2 layout."""
     separate = _rehearse_cli(
+        capsys,
         "parallel.num_nodes=2",
         "parallel.num_devices_per_node=4",
         "parallel.tp_size=4",
@@ -80,7 +80,7 @@ def test_separate_engines_land_on_spare_nodes_and_wider_engines_fill_a_node():
     assert "engine" not in blocks[0] and "engine" not in blocks[1]
     assert "separate engines use GPUs no rank uses" in separate.stdout
 
-    wide = _rehearse_cli("parallel.num_nodes=2", "rollout.num_engines=2", "rollout.engine_tp_size=8")
+    wide = _rehearse_cli(capsys, "parallel.num_nodes=2", "rollout.num_engines=2", "rollout.engine_tp_size=8")
     assert wide.returncode == 0, wide.stderr[-3000:]
     blocks = _node_blocks(wide.stdout)
     assert "engine 0: GPUs 0-7 (base_gpu_id 0)" in blocks[0] and "engine 1: GPUs 0-7 (base_gpu_id 0)" in blocks[1]
@@ -121,8 +121,6 @@ def test_the_old_recipe_placement_would_not_start(monkeypatch):
 
 
 def test_more_engines_than_the_gpus_hold_are_refused_before_anything_starts(capsys):
-    from dapo_megatron.cli import main
-
     assert main(["plan", str(RECIPE), "rollout.num_engines=48", "--rehearse"]) == 2
     assert "rollout.num_engines x rollout.engine_tp_size" in capsys.readouterr().err
 

@@ -19,7 +19,7 @@ from dapo_megatron.ckpt.dcp_io import latest_checkpoint, read_chunk, tensor_shap
 from dapo_megatron.config import ConfigError, config_from_dict
 from dapo_megatron.run.resume import TRAINER_STATE
 from dapo_megatron.run.trainer import train
-from tests.e2e.conftest import FOUR_STEPS, REPO, joined, run_config, step_metrics
+from tests.e2e.conftest import FOUR_STEPS, REPO, driver_of, joined, run_config, step_metrics
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
@@ -102,7 +102,9 @@ def test_resume_without_a_checkpoint_is_refused(tiny_model, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_a_stop_signal_during_a_long_generation_saves_within_a_bound(tiny_model, tmp_path, uninterrupted):
+def test_a_stop_signal_during_a_long_generation_saves_within_a_bound(
+    tiny_model, tmp_path, uninterrupted, _shared_ray_head
+):
     """SIGUSR1 after step 1 while step 2's generation hangs for 120 s (and a SIGTERM while
     the run stops): the generation is abandoned, step 1 is saved and the run exits 75
     within 30 s; ``--resume`` takes step 2 whole and continues as an uninterrupted run."""
@@ -133,9 +135,10 @@ def test_a_stop_signal_during_a_long_generation_saves_within_a_bound(tiny_model,
     assert sorted(step_metrics(run)) == [1]
     print(f"stopped {stopped_after:.1f} s after the signal, at step 1")
 
-    command = [sys.executable, "-m", "dapo_megatron", "train", str(path), "--resume"]
-    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    # The resume runs here, on the package's Ray head (the stopped run's signals are what
+    # needed a process of its own).
+    with driver_of(_shared_ray_head) as address:
+        train(config_from_dict(joined(config, address)), resume=True)
     expected, got = step_metrics(uninterrupted[0]), step_metrics(run)
     assert sorted(got) == [1, 2, 3, 4]
     for step in range(1, 5):  # step 2 drew the prompts it would have drawn, with the same seeds

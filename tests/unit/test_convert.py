@@ -303,21 +303,39 @@ def test_fp32_to_bf16_conversion_is_verified_exactly(tmp_path, monkeypatch, dire
         hf_to_megatron(hf, tmp_path / "skewed", dtype=torch.bfloat16, verify=True, progress=False)
 
 
-def test_quiet_prints_the_summary_only(tmp_path):
-    hf = make_hf(tmp_path / "hf")
-    for direction, paths in (
-        ("hf-to-megatron", ["--hf-dir", str(hf), "--out", str(tmp_path / "mg")]),
-        ("megatron-to-hf", ["--ckpt", str(tmp_path / "mg"), "--hf-config", str(hf), "--out", str(tmp_path / "back")]),
-    ):
-        done = subprocess.run(
-            [sys.executable, "-m", "dapo_megatron", "convert", direction, *paths, "--quiet", "--verify"],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONWARNINGS": "default"},
-        )
-        assert done.returncode == 0, done.stderr
-        lines = (done.stdout + done.stderr).splitlines()
-        assert len(lines) == 1 and lines[0].startswith("wrote ") and "verified against transformers" in lines[0], lines
+@pytest.fixture(scope="module")
+def converted_by_the_cli(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """``python -m dapo_megatron convert hf-to-megatron --quiet`` of a tiny Qwen2 (verified
+    by default), with every library warning shown: the HF folder, the output and the run."""
+    root = tmp_path_factory.mktemp("cli")
+    hf = make_hf(root / "hf")
+    done = subprocess.run(
+        [sys.executable, "-m", "dapo_megatron", "convert", "hf-to-megatron", "--hf-dir", str(hf)]
+        + ["--out", str(root / "mg"), "--quiet"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
+    return hf, root / "mg", done
+
+
+def _only_the_summary(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, done.stderr
+    lines = (done.stdout + done.stderr).splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wrote ") and "verified against transformers" in lines[0], lines
+
+
+def test_quiet_prints_the_summary_only(tmp_path, converted_by_the_cli):
+    hf, mg, done = converted_by_the_cli
+    _only_the_summary(done)
+    back = subprocess.run(
+        [sys.executable, "-m", "dapo_megatron", "convert", "megatron-to-hf", "--ckpt", str(mg)]
+        + ["--hf-config", str(hf), "--out", str(tmp_path / "back"), "--quiet", "--verify"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
+    _only_the_summary(back)
 
 
 def test_progress_without_quiet_carries_no_library_warnings(tmp_path):
@@ -477,18 +495,13 @@ def test_overwrite_refuses_an_output_that_is_or_contains_the_input(tmp_path):
     assert {k: v for k, v in _digests(saves).items() if not k.startswith("hf/")} == before["saves"]
 
 
-def test_cli_round_trip_and_exit_status(tmp_path):
-    hf = make_hf(tmp_path / "hf")
-    run = [sys.executable, "-m", "dapo_megatron", "convert"]
-    ok = subprocess.run(
-        [*run, "hf-to-megatron", "--hf-dir", str(hf), "--out", str(tmp_path / "mg"), "--quiet"],
-        capture_output=True,
-        text=True,
-    )
+def test_cli_round_trip_and_exit_status(tmp_path, converted_by_the_cli):
+    hf, mg, ok = converted_by_the_cli
     assert ok.returncode == 0, ok.stderr
     assert "verified against transformers" in ok.stderr
     again = subprocess.run(
-        [*run, "hf-to-megatron", "--hf-dir", str(hf), "--out", str(tmp_path / "mg"), "--quiet"],
+        [sys.executable, "-m", "dapo_megatron", "convert", "hf-to-megatron", "--hf-dir", str(hf)]
+        + ["--out", str(mg), "--quiet"],
         capture_output=True,
         text=True,
     )
@@ -498,7 +511,7 @@ def test_cli_round_trip_and_exit_status(tmp_path):
             sys.executable,
             "tools/convert_ckpt/megatron_to_hf.py",
             "--ckpt",
-            str(tmp_path / "mg"),
+            str(mg),
             "--hf-config",
             str(hf),
             "--out",
