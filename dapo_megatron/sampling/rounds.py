@@ -6,11 +6,8 @@ disagree, round after round until ``train_batch_size`` groups are kept.
 are the two ways a step collects its batch; both answer ``collect(step, version, times)``
 and keep what a checkpoint needs in ``state_dict`` (rounds keep nothing: every round's
 seeds derive from (step, round), and dynamic sampling drops its surplus at the end of a
-step). :func:`make_sampler` picks one from ``rollout.streaming``.
-
-A sampler is given the three sections it reads, and nothing else of the run's config:
-``rollout`` (responses per prompt, seed, lengths, streaming), ``algorithm`` (reward
-shaping, dynamic sampling) and ``data`` (batch sizes).
+step). :func:`make_sampler` picks one from ``rollout.streaming``. What a sampler is given
+(three sections of the run's config, not all of it) is :class:`~dapo_megatron.sampling.sampler.Sampler`'s.
 """
 
 from __future__ import annotations
@@ -20,13 +17,11 @@ from dataclasses import replace
 from dapo_megatron.algo import DynamicSamplingAccumulator
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.config import AlgorithmConfig, DataConfig, RolloutConfig
-from dapo_megatron.data import (
-    PromptLoader,
-)
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.rollout.seeds import sampling_seeds
 from dapo_megatron.runtime.measure import timed
+from dapo_megatron.sampling.sampler import Sampler
 from dapo_megatron.sampling.samples import (
     Sample,
     apply_rewards,
@@ -74,25 +69,9 @@ def generate_and_score(
     return samples
 
 
-class RoundSampler:
+class RoundSampler(Sampler):
     """Rounds of generation and scoring until dynamic sampling holds the batch (see the
-    module docstring)."""
-
-    def __init__(
-        self,
-        engines: RolloutWorkers,
-        rewards: RewardPool,
-        loader: PromptLoader,
-        sampling: SamplingParams,
-        tokenizer,
-        *,
-        rollout: RolloutConfig,
-        algorithm: AlgorithmConfig,
-        data: DataConfig,
-    ) -> None:
-        self.engines, self.rewards, self.loader = engines, rewards, loader
-        self.sampling, self.tokenizer = sampling, tokenizer
-        self.rollout, self.algorithm, self.data = rollout, algorithm, data
+    module docstring); given what every :class:`~dapo_megatron.sampling.sampler.Sampler` is."""
 
     def collect(self, step: int, version: int, times: dict[str, float]) -> tuple[list[Sample], dict[str, float]]:
         """Step ``step``'s kept samples (groups consecutive) and the rollout's metrics: rounds
@@ -155,17 +134,8 @@ class RoundSampler:
         """Nothing to restore."""
 
 
-def make_sampler(
-    engines: RolloutWorkers,
-    rewards: RewardPool,
-    loader: PromptLoader,
-    sampling: SamplingParams,
-    tokenizer,
-    *,
-    rollout: RolloutConfig,
-    algorithm: AlgorithmConfig,
-    data: DataConfig,
-):
-    """The step's sampler: streamed (``rollout.streaming``) or in rounds."""
+def make_sampler(*parts, rollout: RolloutConfig, algorithm: AlgorithmConfig, data: DataConfig) -> Sampler:
+    """The step's sampler, streamed (``rollout.streaming``) or in rounds, of ``parts`` and
+    the three sections (:class:`~dapo_megatron.sampling.sampler.Sampler`'s arguments)."""
     kind = StreamingSampler if rollout.streaming else RoundSampler
-    return kind(engines, rewards, loader, sampling, tokenizer, rollout=rollout, algorithm=algorithm, data=data)
+    return kind(*parts, rollout=rollout, algorithm=algorithm, data=data)

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from dapo_megatron.algo.dynamic_sampling import DynamicSamplingExhausted
-from dapo_megatron.config import AlgorithmConfig, DataConfig, RolloutConfig
 from dapo_megatron.data import Prompt
-from dapo_megatron.rollout.engine import SamplingParams, StreamGroup, StreamRow
+from dapo_megatron.rollout.engine import StreamGroup, StreamRow
 from dapo_megatron.rollout.seeds import prompt_sampling_seeds
+from dapo_megatron.sampling.sampler import Sampler
 from dapo_megatron.sampling.samples import Sample, apply_rewards, response_metrics, samples_from_record, samples_record
 
 KEY_STEP_SHIFT = 32
@@ -114,28 +114,12 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if index < extra else 0) for index in range(parts)]
 
 
-class StreamingSampler:
-    """Collects one step's batch by streamed generation (see the module docstring).
+class StreamingSampler(Sampler):
+    """Collects one step's batch by streamed generation (see the module docstring); given
+    what every :class:`~dapo_megatron.sampling.sampler.Sampler` is."""
 
-    ``engines``: :class:`~dapo_megatron.orchestration.rollout.RolloutWorkers` (or anything
-    with ``stream_tick`` and ``engines``); ``rewards``: the reward pool.
-    """
-
-    def __init__(
-        self,
-        engines,
-        rewards,
-        loader,
-        sampling: SamplingParams,
-        tokenizer,
-        *,
-        rollout: RolloutConfig,
-        algorithm: AlgorithmConfig,
-        data: DataConfig,
-    ) -> None:
-        self.engines, self.rewards, self.loader = engines, rewards, loader
-        self.sampling, self.tokenizer = sampling, tokenizer
-        self.rollout, self.algorithm, self.data = rollout, algorithm, data
+    def __init__(self, *parts, **sections) -> None:
+        super().__init__(*parts, **sections)
         self.carried: list[list[Sample]] = []  # kept groups beyond the last batch
         self.partial: list[_Open] = []  # groups cut by the last abort, to continue
         self.timeline: list[dict] = []  # the last step's ticks: start, wall, each engine's busy seconds

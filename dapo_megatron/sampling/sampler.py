@@ -1,0 +1,39 @@
+"""What a step's sampler is given, whichever way it collects the batch (in rounds,
+:class:`~dapo_megatron.sampling.rounds.RoundSampler`, or streamed,
+:class:`~dapo_megatron.sampling.streaming.StreamingSampler`): the running parts it draws
+on and the three sections of the run's config it reads, and nothing else of that config:
+``rollout`` (responses per prompt, seed, lengths, streaming), ``algorithm`` (reward
+shaping, dynamic sampling) and ``data`` (batch sizes).
+"""
+
+from __future__ import annotations
+
+from dapo_megatron.config import AlgorithmConfig, DataConfig, RolloutConfig
+from dapo_megatron.rollout.engine import SamplingParams
+
+
+class Sampler:
+    """The parts both samplers hold; each answers ``collect(step, version, times)`` and
+    keeps what a checkpoint needs in ``state_dict``.
+
+    ``engines``: :class:`~dapo_megatron.orchestration.rollout.RolloutWorkers` (or anything
+    with its ``generate``, ``stream_tick`` and ``engines``); ``rewards``: the reward pool;
+    ``loader``: the prompt loader; ``sampling``: the training rollouts' sampling;
+    ``tokenizer``: the run's tokenizer.
+    """
+
+    def __init__(
+        self,
+        engines,
+        rewards,
+        loader,
+        sampling: SamplingParams,
+        tokenizer,
+        *,
+        rollout: RolloutConfig,
+        algorithm: AlgorithmConfig,
+        data: DataConfig,
+    ) -> None:
+        self.engines, self.rewards, self.loader = engines, rewards, loader
+        self.sampling, self.tokenizer = sampling, tokenizer
+        self.rollout, self.algorithm, self.data = rollout, algorithm, data
