@@ -69,6 +69,14 @@ def _reload_ray_auth_settings() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+def write_token(path: Path) -> None:
+    """A fresh Ray secret in ``path``, created exclusively (never through a link) with mode
+    0600: only the user can read it."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(secrets.token_hex(32))
+
+
 class PrivateRay:
     """``with PrivateRay(folder):`` the Ray instance this process starts inside the block
     (and every process that instance starts) listens on the loopback address only and
@@ -96,9 +104,7 @@ class PrivateRay:
                 raise FileNotFoundError(f"no Ray token to join with at {self.token_file}")
         else:
             self.token_file.unlink(missing_ok=True)
-            descriptor = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(descriptor, "w") as handle:
-                handle.write(secrets.token_hex(32))
+            write_token(self.token_file)
         self._saved_env = {name: os.environ.get(name) for name in _AUTH_VARIABLES + (_SINGLE_MACHINE,)}
         os.environ.pop("RAY_AUTH_TOKEN", None)
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_file))

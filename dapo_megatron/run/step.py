@@ -36,6 +36,7 @@ from dapo_megatron.run.signals import StopNow
 from dapo_megatron.run.system import RunningSystem, give_engines_their_memory_back
 from dapo_megatron.runtime.measure import timed
 from dapo_megatron.sampling.rounds import make_sampler
+from dapo_megatron.sampling.sampler import sampler_sections
 from dapo_megatron.sampling.samples import (
     Sample,
     build_policy_batch,
@@ -134,14 +135,7 @@ class StepRunner:
         self.system, self.loader, self.sampling, self.tokenizer = system, loader, sampling, tokenizer
         self.config = config or system.config
         self.sampler = make_sampler(
-            system.engines,
-            system.rewards,
-            loader,
-            sampling,
-            tokenizer,
-            rollout=self.config.rollout,
-            algorithm=self.config.algorithm,
-            data=self.config.data,
+            system.engines, system.rewards, loader, sampling, tokenizer, **sampler_sections(self.config)
         )
         r = self.config.rollout
         if (

@@ -8,7 +8,7 @@ shaping, dynamic sampling) and ``data`` (batch sizes).
 
 from __future__ import annotations
 
-from dapo_megatron.config import AlgorithmConfig, DataConfig, RolloutConfig
+from dapo_megatron.config import AlgorithmConfig, Config, DataConfig, RolloutConfig
 from dapo_megatron.rollout.engine import SamplingParams
 
 
@@ -37,3 +37,8 @@ class Sampler:
         self.engines, self.rewards, self.loader = engines, rewards, loader
         self.sampling, self.tokenizer = sampling, tokenizer
         self.rollout, self.algorithm, self.data = rollout, algorithm, data
+
+
+def sampler_sections(config: Config) -> dict:
+    """The sections of the run's ``config`` a sampler is given (its keyword arguments)."""
+    return {"rollout": config.rollout, "algorithm": config.algorithm, "data": config.data}

@@ -14,7 +14,6 @@ stopping it. Run as ``python -m tests.e2e.ray_head <pid> <folder>``: that watchd
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from dapo_megatron.orchestration.cluster import TOKEN_FILE
+from dapo_megatron.orchestration.cluster import TOKEN_FILE, write_token
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,9 +85,7 @@ def ray_head(num_cpus: int = 8) -> Iterator[tuple[str, Path]]:
     module docstring); this process's environment is not changed."""
     folder = Path(tempfile.mkdtemp(prefix="dapo-e2e-ray-"))  # short: Ray's socket paths
     token = folder / TOKEN_FILE
-    descriptor = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(secrets.token_hex(32))
+    write_token(token)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     port = _free_port()

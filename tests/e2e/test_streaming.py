@@ -20,6 +20,7 @@ from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.run.step import check_staleness
 from dapo_megatron.run.system import load_run_data
 from dapo_megatron.sampling.rounds import RoundSampler, training_sampling
+from dapo_megatron.sampling.sampler import sampler_sections
 from dapo_megatron.sampling.streaming import StreamingSampler
 from tests.e2e.conftest import driver_of, joined, run_config
 
@@ -70,13 +71,8 @@ def _parts(config, engines):
 def _sampler(config, engines, rewards):
     tokenizer, _, _, loader = load_run_data(config)
     return StreamingSampler(
-        engines, rewards, loader, training_sampling(config.rollout, tokenizer), tokenizer, **_sections(config)
+        engines, rewards, loader, training_sampling(config.rollout, tokenizer), tokenizer, **sampler_sections(config)
     )
-
-
-def _sections(config):
-    """What a sampler is given of the run's config."""
-    return {"rollout": config.rollout, "algorithm": config.algorithm, "data": config.data}
 
 
 def _rows(samples):
@@ -109,7 +105,7 @@ def test_streaming_with_one_tick_per_round_samples_the_rounds_batches(tiny_model
         tokenizer, _, _, loader = load_run_data(config)
         sampling = training_sampling(config.rollout, tokenizer)
         rounds = []
-        in_rounds = RoundSampler(engines, rewards, loader, sampling, tokenizer, **_sections(config))
+        in_rounds = RoundSampler(engines, rewards, loader, sampling, tokenizer, **sampler_sections(config))
         for step in (1, 2, 3):
             samples, metrics = in_rounds.collect(step, -1, {})
             rounds.append((samples, metrics))

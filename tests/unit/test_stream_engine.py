@@ -187,6 +187,7 @@ def test_a_group_that_completed_before_the_abort_is_scored_not_counted_as_aborte
     ``carry_over``, trimmed without), never counted as aborted nor held over as partial;
     only group 2 is."""
     from dapo_megatron.config import config_from_dict
+    from dapo_megatron.sampling.sampler import sampler_sections
     from dapo_megatron.sampling.streaming import StreamingSampler
     from tests.unit.test_config import tiny
 
@@ -202,9 +203,7 @@ def test_a_group_that_completed_before_the_abort_is_scored_not_counted_as_aborte
         _Loader(),
         SAMPLING,
         _Tokenizer(),
-        rollout=config.rollout,
-        algorithm=config.algorithm,
-        data=config.data,
+        **sampler_sections(config),
     )
     batch, metrics = sampler.collect(step=1, version=7, times={})
     assert [s.group_id for s in batch] == [(1, 0), (1, 0)]
