@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -153,6 +154,34 @@ def _set_cpu_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> No
 def _manual_seed(seed: int) -> None:
     # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, i.e. this function.
     torch.default_generator.manual_seed(int(seed))
+
+
+def _leave_uncompiled(model: Any = None, **options: Any) -> Any:
+    """``torch.compile`` as the identity, as a call and as a decorator factory."""
+    return model if model is not None else (lambda function: function)
+
+
+def import_megatron_uncompiled() -> None:
+    """Import megatron-core with its ``jit_fuser`` functions left as plain Python.
+
+    megatron decorates its fusable functions with ``torch.compile`` when its modules are
+    imported. Decorating imports torch's compiler (dynamo and inductor), about 1.2 s of
+    every rank's start on a CPU, while none of those functions is used on the CPU
+    runtime: the fusions that call them are off without Transformer Engine
+    (``models/gpt.py``), and the one that runs, the MoE router's expert-bias update, is a
+    no-op unless ``moe_router_enable_expert_bias`` is set. ``torch.compile`` stands as
+    the identity only while ``megatron.core`` is first imported, when megatron binds it as
+    its ``jit_fuser``; it is restored before this returns. A process that has already
+    imported megatron keeps what it has.
+    """
+    if "megatron.core" in sys.modules:
+        return
+    compile_function = torch.compile
+    torch.compile = _leave_uncompiled
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = compile_function
 
 
 _lock = threading.Lock()

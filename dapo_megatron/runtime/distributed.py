@@ -242,10 +242,12 @@ def initialize_runtime(parallel: ParallelConfig, seed: int) -> RuntimeInfo:
         seed: base seed; megatron derives the tensor-parallel and data-parallel seeds.
     """
     global _runtime_pinned_gloo
+    device_type = resolve_device(parallel.device)
+    if device_type == "cpu":
+        cpu_compat.import_megatron_uncompiled()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    device_type = resolve_device(parallel.device)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = local_rank_of(os.environ, parallel, device_type)

@@ -90,3 +90,29 @@ def test_local_rank_comes_from_the_launcher_or_is_refused_across_gpu_nodes():
     assert local_rank_of({"RANK": "6"}, two_nodes, "cpu") == 6
     with pytest.raises(LaunchError, match="LOCAL_RANK is not set on a 2-node GPU launch \\(global rank 6\\)"):
         local_rank_of({"RANK": "6"}, two_nodes, "cuda")
+
+
+UNCOMPILED_RANK = """
+import sys, torch
+from dapo_megatron.config import ParallelConfig
+from dapo_megatron.runtime.distributed import megatron_runtime
+compile_function = torch.compile
+with megatron_runtime(ParallelConfig(device="cpu"), seed=1):
+    from megatron.core.jit import jit_fuser
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.router import TopKRouter
+    function = lambda x: x
+    print(jit_fuser(function) is function, "torch._dynamo" in sys.modules, torch.compile is compile_function)
+"""
+
+
+def test_a_cpu_rank_imports_megatron_without_torchs_compiler():
+    """A CPU rank's megatron: its jit_fuser functions plain Python (megatron's import would
+    otherwise import dynamo and inductor, ~1.2 s of each rank's start), torch.compile
+    itself untouched afterwards. In a fresh interpreter: this one has megatron already."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", UNCOMPILED_RANK], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "False", "True"], done.stdout
