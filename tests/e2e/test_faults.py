@@ -164,7 +164,7 @@ def _from_step(step: int, monkeypatch, action) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_a_hung_engine_fails_the_step_within_the_bound(tiny_model, tmp_path, monkeypatch):
+def test_a_hung_engine_fails_the_step_within_the_bound(tiny_model, tmp_path, monkeypatch, shared_ray):
     """Engine 0 stops answering (alive, not dead) at step 2: the step fails within
     rollout.generate_timeout_s, naming the engine and the setting, instead of waiting."""
     from dapo_megatron.orchestration.group_calls import MemberTimedOut
@@ -184,13 +184,13 @@ def test_a_hung_engine_fails_the_step_within_the_bound(tiny_model, tmp_path, mon
         match=r"^rollout engine 0 \(pid \d+\) did not answer within 3 s "
         r"\(rollout.generate_timeout_s\): hung",
     ):
-        train(config_from_dict(config))
+        train(config_from_dict(joined(config, shared_ray)))
     assert time.monotonic() - hung["at"] < 45  # the bound, then the hung engine is not waited for at shutdown
     assert _logged_steps(tmp_path / "run") == [1]
 
 
 @pytest.mark.timeout(600)
-def test_an_engine_killed_during_sync_ends_with_the_resume_hint(tiny_model, tmp_path, monkeypatch, capsys):
+def test_an_engine_killed_during_sync_ends_with_the_resume_hint(tiny_model, tmp_path, monkeypatch, capsys, shared_ray):
     """Engine 0's process exits inside the weight sync after step 2: the run ends with the
     one-paragraph message of a dead member (the engine named) and the --resume hint."""
 
@@ -201,7 +201,9 @@ def test_an_engine_killed_during_sync_ends_with_the_resume_hint(tiny_model, tmp_
 
     _from_step(2, monkeypatch, lambda engines: engines[0].__ray_call__.remote(exit_in_the_next_bucket))
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(run_config(tiny_model, tmp_path / "run", **FOUR_STEPS, **ONE_RANK)))
+    path.write_text(
+        yaml.safe_dump(joined(run_config(tiny_model, tmp_path / "run", **FOUR_STEPS, **ONE_RANK), shared_ray))
+    )
     assert main(["train", str(path)]) == 1
     err = capsys.readouterr().err
     assert "dapo-megatron train: error: weight sync into the rollout engines failed: rollout engine 0 (pid " in err, (

@@ -3,7 +3,7 @@
 DAPO can only make an answer the model's own when the model writes it now and then: the
 demo's base model must be right exactly on the problems without a carry (greedy), and
 sample the true sum of a carry problem often enough that a group of 8 has a correct one.
-This runs the real preparation (its supervised warm-up, about 1.5 minutes on 2 cores).
+This runs the real preparation (its supervised warm-up, about 35 s on 2 cores).
 """
 
 from __future__ import annotations
