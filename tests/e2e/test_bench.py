@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
+from dapo_megatron import cli
 from dapo_megatron.bench.ceilings import published_peak
 from tests.e2e.conftest import REPO, _demo_prepare
 
@@ -29,13 +27,11 @@ def _demo_inputs(root: Path) -> None:
     Qwen2ForCausalLM(config).save_pretrained(root / "base")
 
 
-def test_bench_on_the_cpu_example_config_writes_every_phase_with_its_ceiling_ratio(tmp_path):
+def test_bench_on_the_cpu_example_config_writes_every_phase_with_its_ceiling_ratio(tmp_path, capsys, shared_ray):
+    """The command line's own ``main`` in this process, on the package's Ray head."""
     _demo_inputs(tmp_path)
     out = tmp_path / "bench.json"
     command = [
-        sys.executable,
-        "-m",
-        "dapo_megatron",
         "bench",
         str(REPO / "examples/demo/demo.yaml"),
         f"model.hf_weights={tmp_path / 'base'}",
@@ -44,6 +40,7 @@ def test_bench_on_the_cpu_example_config_writes_every_phase_with_its_ceiling_rat
         # A random model answers nothing right: every group would be dropped. The step's
         # work is the same with all groups kept.
         "algorithm.dynamic_sampling=false",
+        f"ray.address={shared_ray}",
         "--steps",
         "2",
         "--warmup",
@@ -53,10 +50,10 @@ def test_bench_on_the_cpu_example_config_writes_every_phase_with_its_ceiling_rat
         "--json",
         str(out),
     ]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)}
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    capsys.readouterr()
+    status = cli.main(command)
+    printed, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
     result = json.loads(out.read_text())
     phases = result["phases"]
     assert list(phases) == ["generate", "logprob", "train", "sync", "reward", "step"]
@@ -85,7 +82,7 @@ def test_bench_on_the_cpu_example_config_writes_every_phase_with_its_ceiling_rat
     assert 0 <= step["overhead_share"] < 1 and math.isclose(step["of_ceiling"], 1 - step["overhead_share"])
     for record in phases.values():
         assert record["seconds"]["median"] > 0
-    assert "device:" in done.stdout and "step breakdown" in done.stdout
+    assert "device:" in printed and "step breakdown" in printed
 
 
 def test_published_peaks_match_the_longest_name():
