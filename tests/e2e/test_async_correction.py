@@ -11,6 +11,8 @@ from 1 (a correction that does nothing would pass a test on on-policy data).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -73,6 +75,10 @@ def test_async_tis_weights_equal_a_float64_reference(tiny_model, tmp_path, monke
     temperature = raw["rollout"]["temperature"]
     train(config_from_dict(joined(raw, shared_ray), "e2e"))
     assert len(corrections) == len(batches) == 2 and len(served) == 2
+    # Step 1 generated step 2's batch while it trained; the last step, with no checkpoint
+    # to hold a batch ahead, generated none.
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [("time/wait_for_generation" in s) for s in steps if "reward/score_mean" in s] == [True, False]
 
     initial = Qwen2ForCausalLM.from_pretrained(tiny_model / "model", dtype=torch.float64)
     after_step_1 = Qwen2ForCausalLM.from_pretrained(tiny_model / "model", dtype=torch.float64)
