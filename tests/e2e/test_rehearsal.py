@@ -155,19 +155,20 @@ def test_the_rehearsal_cluster_listens_on_loopback_and_needs_a_token():
     assert {k: v for k, v in os.environ.items() if k.startswith(("RAY_AUTH", "RAY_ENABLE"))} == before
 
 
-def test_evals_32_engines_of_the_recipe_take_whole_gpus_spread_over_the_16_nodes():
+def test_evals_engines_of_the_recipe_take_whole_gpus_spread_over_its_nodes():
     """``dapo-megatron eval`` of the 32B recipe has no actor and so no placement group:
-    its 32 engines of TP 4 are placed on the recipe's full cluster (16 nodes x 8 GPUs,
-    32 CPUs each, as a real node declares many), two per node, each on 4 GPUs of its
-    node that no other engine uses and that its process sees. (Asking for a GPU share,
-    as eval once did, Ray packed them onto the head node and the start raised.)"""
+    its engines of TP 4 are placed on the recipe's nodes (8 GPUs, 32 CPUs each, as a real
+    node declares many; 4 of its 16 nodes and 8 of its 32 engines here), two per node,
+    each on 4 GPUs of its node that no other engine uses and that its process sees.
+    (Asking for a GPU share, as eval once did, Ray packed them onto the head node and the
+    start raised.)"""
     from dapo_megatron.orchestration.rehearsal import rehearse_eval
 
-    rehearsal = rehearse_eval(load_config(RECIPE, [FITS]))
+    rehearsal = rehearse_eval(load_config(RECIPE, [FITS, "parallel.num_nodes=4", "rollout.num_engines=8"]))
     assert rehearsal.problems == []
-    assert len(rehearsal.node_ids) == 16 and len(rehearsal.engines) == 32
-    assert sorted(e.index for e in rehearsal.engines) == list(range(32))
-    per_node = {node: [e for e in rehearsal.engines if e.node == node] for node in range(16)}
+    assert len(rehearsal.node_ids) == 4 and len(rehearsal.engines) == 8
+    assert sorted(e.index for e in rehearsal.engines) == list(range(8))
+    per_node = {node: [e for e in rehearsal.engines if e.node == node] for node in range(4)}
     assert all(len(engines) == 2 for engines in per_node.values()), {n: len(e) for n, e in per_node.items()}
     for engines in per_node.values():
         used = sorted(gpu for engine in engines for gpu in engine.gpus)
