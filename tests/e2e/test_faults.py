@@ -20,7 +20,7 @@ from dapo_megatron.cli import main
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.run.resume import TRAINER_STATE
 from dapo_megatron.run.trainer import TrainingDiverged, train
-from tests.e2e.conftest import ONE_RANK, REPO, driver_of, joined, run_config
+from tests.e2e.conftest import ONE_RANK, REPO, joined, run_config
 
 FOUR_STEPS = {
     "trainer.num_steps": 4,
@@ -37,43 +37,45 @@ def _logged_steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def _ray_workers(root: int, title: str) -> list[psutil.Process]:
-    """Descendants of ``root`` whose process title starts with ``title`` (Ray names its
-    workers ``ray::ClassName[.method]``)."""
+def _ray_workers(title: str) -> list[psutil.Process]:
+    """This machine's processes whose title starts with ``title`` (Ray names its workers
+    ``ray::ClassName[.method]``), oldest first: on the package's Ray head, only the run
+    under test has ranks and engines."""
     found = []
-    for child in psutil.Process(root).children(recursive=True):
+    for process in psutil.process_iter():
         try:
-            if " ".join(child.cmdline()).startswith(title):
-                found.append(child)
+            if " ".join(process.cmdline()).startswith(title):
+                found.append(process)
         except psutil.Error:
             continue
-    return found
+    return sorted(found, key=lambda process: process.create_time())
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("title", "named"), [("ray::EngineWorker", "rollout engine 0"), ("ray::ActorRank", "actor rank")]
 )
-def test_a_killed_worker_ends_the_run_clearly_and_resume_continues(
-    tiny_model, tmp_path, title, named, _shared_ray_head
-):
+def test_a_killed_worker_ends_the_run_clearly_and_resume_continues(tiny_model, tmp_path, title, named, shared_ray):
+    """The run in a process of its own (its exit status and output are what is checked),
+    joining the package's Ray head, whose worker it loses at step 2."""
     run = tmp_path / "run"
     path = tmp_path / "run.yaml"
     # Killing an engine needs one rank only; killing rank 1 needs two.
     ranks = ONE_RANK if title == "ray::EngineWorker" else {}
-    raw = run_config(tiny_model, run, **FOUR_STEPS, **ranks)
+    raw = joined(run_config(tiny_model, run, **FOUR_STEPS, **ranks), shared_ray)
     path.write_text(yaml.safe_dump(raw))
     command = [sys.executable, "-m", "dapo_megatron", "train", str(path)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # with the head's token (shared_ray)
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
     while len(_logged_steps(run)) < 2:
         assert process.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
         time.sleep(0.2)
-    victims = _ray_workers(process.pid, title)
+    victims = _ray_workers(title)
     if title == "ray::ActorRank":
-        victims = victims[1:]  # rank 1 of the two (placement order)
-    assert victims, f"no {title} process under the trainer"
+        assert len(victims) == 2, victims
+        victims = victims[1:]  # the later started of the two ranks (either one's death ends the run alike)
+    assert victims, f"no {title} process on the Ray head"
     victims[0].send_signal(signal.SIGKILL)
     killed = time.monotonic()
     output, _ = process.communicate(timeout=300)
@@ -88,10 +90,7 @@ def test_a_killed_worker_ends_the_run_clearly_and_resume_continues(
     print(f"{title} killed: the run ended {seconds:.1f} s later; last checkpoint step {saved}")
     if title != "ray::ActorRank":
         return  # resuming after a fault is one path whichever worker died; it runs once
-    # The resume runs here, on the package's Ray head (the killed run's workers were what
-    # needed a Ray of its own, under a process of its own).
-    with driver_of(_shared_ray_head) as address:
-        assert train(config_from_dict(joined(raw, address)), resume=True).steps == 4
+    assert train(config_from_dict(raw), resume=True).steps == 4
     assert sorted(set(_logged_steps(run))) == [1, 2, 3, 4] and len(_logged_steps(run)) == 4
 
 
