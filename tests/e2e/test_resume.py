@@ -19,7 +19,7 @@ from dapo_megatron.ckpt.dcp_io import latest_checkpoint, read_chunk, tensor_shap
 from dapo_megatron.config import ConfigError, config_from_dict
 from dapo_megatron.run.resume import TRAINER_STATE
 from dapo_megatron.run.trainer import train
-from tests.e2e.conftest import FOUR_STEPS, REPO, driver_of, joined, run_config, step_metrics
+from tests.e2e.conftest import FOUR_STEPS, REPO, joined, run_config, step_metrics
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
@@ -102,17 +102,17 @@ def test_resume_without_a_checkpoint_is_refused(tiny_model, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_a_stop_signal_during_a_long_generation_saves_within_a_bound(
-    tiny_model, tmp_path, uninterrupted, _shared_ray_head
-):
+def test_a_stop_signal_during_a_long_generation_saves_within_a_bound(tiny_model, tmp_path, uninterrupted, shared_ray):
     """SIGUSR1 after step 1 while step 2's generation hangs for 120 s (and a SIGTERM while
     the run stops): the generation is abandoned, step 1 is saved and the run exits 75
-    within 30 s; ``--resume`` takes step 2 whole and continues as an uninterrupted run."""
+    within 30 s; ``--resume`` takes step 2 whole and continues as an uninterrupted run.
+    The stopped run is a process of its own (the signals' target), on the package's Ray
+    head; the resume runs here."""
     run = tmp_path / "preempted"
-    config = run_config(tiny_model, run, **{**FOUR_STEPS, "checkpoint.save_every": 4})
+    config = joined(run_config(tiny_model, run, **{**FOUR_STEPS, "checkpoint.save_every": 4}), shared_ray)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # with the head's token (shared_ray)
     slow = [sys.executable, "-m", "tests.e2e.slow_generation", "train", str(path)]
     process = subprocess.Popen(slow, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run / "metrics.jsonl"
@@ -135,10 +135,7 @@ def test_a_stop_signal_during_a_long_generation_saves_within_a_bound(
     assert sorted(step_metrics(run)) == [1]
     print(f"stopped {stopped_after:.1f} s after the signal, at step 1")
 
-    # The resume runs here, on the package's Ray head (the stopped run's signals are what
-    # needed a process of its own).
-    with driver_of(_shared_ray_head) as address:
-        train(config_from_dict(joined(config, address)), resume=True)
+    train(config_from_dict(config), resume=True)
     expected, got = step_metrics(uninterrupted[0]), step_metrics(run)
     assert sorted(got) == [1, 2, 3, 4]
     for step in range(1, 5):  # step 2 drew the prompts it would have drawn, with the same seeds
