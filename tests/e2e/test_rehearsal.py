@@ -99,9 +99,9 @@ def test_what_cannot_be_placed_is_refused_within_the_bound_naming_what_it_asks()
 
     config = _one_node_of_four_gpus("rollout.colocate=false")
     with pytest.raises(
-        MemberFailed, match=r"1 of 1 rollout engine\(s\) not started after 6 s .*num_gpus 4.*0 GPU free of 4"
+        MemberFailed, match=r"1 of 1 rollout engine\(s\) not started after 3 s .*num_gpus 4.*0 GPU free of 4"
     ):
-        rehearse(config, spare_nodes=0, schedule_timeout_s=6)
+        rehearse(config, spare_nodes=0, schedule_timeout_s=3)
 
 
 def test_the_old_recipe_placement_would_not_start(monkeypatch):
@@ -116,8 +116,8 @@ def test_the_old_recipe_placement_would_not_start(monkeypatch):
 
     monkeypatch.setattr(rollout, "engine_placements", outside_the_group)
     config = _one_node_of_four_gpus()
-    with pytest.raises(MemberFailed, match=r"rollout engine\(s\) not started after 6 s"):
-        rehearse(config, schedule_timeout_s=6)
+    with pytest.raises(MemberFailed, match=r"rollout engine\(s\) not started after 3 s"):
+        rehearse(config, schedule_timeout_s=3)
 
 
 def test_more_engines_than_the_gpus_hold_are_refused_before_anything_starts(capsys):
