@@ -198,6 +198,7 @@ class _Bench:
     def generate(self, measure: bool) -> None:
         """A generation batch (measured or not), generated and scored as the trainer does;
         keeps the last one's first ``train_batch_size`` groups as the training batch."""
+        from dapo_megatron.sampling.episodes import episode_rules
         from dapo_megatron.sampling.rounds import generate_and_score
         from dapo_megatron.sampling.samples import build_policy_batch
 
@@ -221,6 +222,7 @@ class _Bench:
                 self.config.algorithm,
                 self.tokenizer,
                 times,
+                episode_rules(r),
             )
             seconds.append(times["generate"])
 

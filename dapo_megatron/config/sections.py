@@ -176,6 +176,16 @@ class RolloutConfig:
     max_staleness: int = 1
     """Carried groups and partial responses: the most policy versions a trained token may
     lag the actor (a group whose oldest token is older is dropped, and counted)."""
+    env: Optional[str] = None
+    """Multi-turn, tool-using rollouts: the environment each response is an episode of (a
+    registered name, ``calculator``, or ``module:Class``; docs/environments.md). The
+    model's turns and the environment's observations make one token sequence after the
+    prompt, the model's tokens as the engine sampled them; only those are trained, and
+    ``max_response_length`` bounds all of them. Unset: single-turn responses. Runs on the
+    transformers engine, in rounds (not with ``streaming``)."""
+    max_turns: int = 8
+    """Multi-turn (``env``): the most model turns of an episode; one that reaches it ends
+    there, counted in ``episode/ended_by_max_turns``."""
     val_n_samples: int = 32
     """Responses per validation prompt (avg@32 for AIME)."""
     val_temperature: float = 1.0

@@ -329,6 +329,7 @@ def _validate_algorithm(config: Config, fail) -> None:
             "own: set rollout.colocate=false (on the CPU runtime, engines get cores of their own)",
         )
     _validate_streaming(config, fail)
+    _validate_episodes(config, fail)
     if not a.rollout_correction_cap > 1:
         fail(
             ("algorithm.rollout_correction_cap",),
@@ -382,6 +383,39 @@ def _validate_streaming(config: Config, fail) -> None:
             ("rollout.max_staleness",),
             f"rollout.max_staleness={r.max_staleness} must be >= 1 with carry_over or partial_rollout (what is "
             "carried is trained at least one version later)",
+        )
+
+
+def _validate_episodes(config: Config, fail) -> None:
+    """Multi-turn rollouts' settings (``rollout.env``; its name is resolved by the run's
+    pre-flight, which can import it)."""
+    r = config.rollout
+    if r.max_turns < 1:
+        fail(("rollout.max_turns",), f"rollout.max_turns={r.max_turns} must be >= 1")
+    if r.env is None:
+        if r.max_turns != RolloutConfig().max_turns:
+            fail(
+                ("rollout.max_turns", "rollout.env"),
+                f"rollout.max_turns={r.max_turns} acts only on multi-turn episodes: set rollout.env, or leave it "
+                "at its default",
+            )
+        return
+    if config.trainer.async_generation:
+        fail(
+            ("rollout.env", "trainer.async_generation"),
+            "rollout.env's multi-turn episodes are not yet generated ahead (a checkpoint's batch ahead does not "
+            "keep their loss mask): set trainer.async_generation=false",
+        )
+    if r.streaming:
+        fail(
+            ("rollout.env", "rollout.streaming"),
+            "rollout.env's multi-turn episodes are generated in rounds (not yet streamed): set rollout.streaming=false",
+        )
+    if r.engine == "sglang":
+        fail(
+            ("rollout.env", "rollout.engine"),
+            "rollout.env's multi-turn episodes run on the transformers engine (SGLang's is not yet checked against "
+            "its release): set rollout.engine=hf (or auto on a machine without a GPU)",
         )
 
 

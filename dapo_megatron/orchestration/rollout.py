@@ -225,11 +225,18 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
         from dapo_megatron.rollout.hf_engine import HFRolloutEngine, hf_eos_token_ids
 
         device = "cuda" if torch.cuda.is_available() and config.parallel.device == "cuda" else "cpu"
-        if weights_dir is not None:
-            return HFRolloutEngine.from_pretrained(weights_dir, device=device)
         folder = config.model.hf_weights_folder
+        tokenizer = None
+        if rollout.env is not None:  # a multi-turn turn ends on its environment's text
+            from dapo_megatron.data import load_tokenizer
+
+            tokenizer = load_tokenizer(config.data, folder)
+        if weights_dir is not None:
+            return HFRolloutEngine.from_pretrained(weights_dir, device=device, tokenizer=tokenizer)
         eos = hf_eos_token_ids(folder) if folder is not None else ()
-        return HFRolloutEngine.from_model_config(config.model, dtype=dtype, device=device, eos_token_ids=eos)
+        return HFRolloutEngine.from_model_config(
+            config.model, dtype=dtype, device=device, eos_token_ids=eos, tokenizer=tokenizer
+        )
     from dapo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 
     folder = Path(weights_dir) if weights_dir is not None else config.model.hf_weights_folder

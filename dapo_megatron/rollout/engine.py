@@ -36,6 +36,10 @@ class SamplingParams:
     """Longest response; a response that reaches it finishes with reason ``length``."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a response (kept as its last token); reason ``stop``."""
+    stop_strings: tuple[str, ...] = ()
+    """Text that ends a response (a multi-turn environment's tool-call tag): the response
+    ends with the token that completes it, kept; reason ``stop``. An engine that cannot
+    stop on text refuses a request that asks for it."""
     seed: Optional[int] = None
     """Seed of the sampler, for reproducible rollouts (one for the whole request; rows
     derive theirs from it unless ``row_seeds`` is given)."""

@@ -117,6 +117,23 @@ def hf_eos_token_ids(hf_dir) -> tuple[int, ...]:
     return tuple(ids)
 
 
+class _StopOnText:
+    """A ``generate`` stopping criterion: a row is done once the text of its newest tokens
+    (enough of them to hold the longest of ``stop_strings``, none of the prompt's) holds
+    one of them. (transformers' own ``stop_strings`` reads the tokenizer's vocabulary in a
+    way not every tokenizer supports.)"""
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...], prompt_width: int) -> None:
+        self.tokenizer, self.stop_strings, self.prompt_width = tokenizer, stop_strings, prompt_width
+        self.window = max(len(stop) for stop in stop_strings) + 1
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        start = max(self.prompt_width, input_ids.shape[1] - self.window)
+        texts = self.tokenizer.batch_decode(input_ids[:, start:].tolist())
+        done = [any(stop in text for stop in self.stop_strings) for text in texts]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
 class HFRolloutEngine(RolloutEngine):
     """Rollouts with a ``transformers`` causal LM of the model's family (``Qwen2ForCausalLM``, ...).
 
@@ -213,6 +230,11 @@ class HFRolloutEngine(RolloutEngine):
             attention[i, width - len(prompt) :] = 1
         greedy = params.temperature == 0
         stop = list(dict.fromkeys([*params.stop_token_ids, *self.eos_token_ids]))  # SGLang's stop set
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(
+                f"stop_strings={list(params.stop_strings)}: the transformers engine stops on text only with its "
+                "tokenizer (give the engine one)"
+            )
         config = GenerationConfig(
             do_sample=not greedy,
             temperature=None if greedy else params.temperature,
@@ -224,11 +246,21 @@ class HFRolloutEngine(RolloutEngine):
             output_logits=True,
             return_dict_in_generate=True,
         )
+        text_stop = {}
+        if params.stop_strings:
+            from transformers import StoppingCriteriaList
+
+            text_stop["stopping_criteria"] = StoppingCriteriaList(
+                [_StopOnText(self.tokenizer, params.stop_strings, width)]
+            )
         with torch.random.fork_rng(devices=[]):
             if seed is not None:  # one generator for the whole request
                 torch.manual_seed(seed)
             out = self.model.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=config
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention.to(self.device),
+                generation_config=config,
+                **text_stop,
             )
         new_tokens = out.sequences[:, width:].cpu()  # [rows, steps]
         temperature = 1.0 if greedy else params.temperature
@@ -242,8 +274,22 @@ class HFRolloutEngine(RolloutEngine):
                 if token in stop:
                     length, reason = t + 1, "stop"
                     break
+            text_end = self._stop_string_end(tokens[:length], params.stop_strings)
+            if text_end is not None:
+                length, reason = text_end, "stop"
             results.append((tokens[:length], log_probs[i, :length].tolist(), reason))
         return results
+
+    def _stop_string_end(self, tokens: list[int], stop_strings: tuple[str, ...]) -> Optional[int]:
+        """How many of ``tokens`` make up the response when it stops on text: up to the
+        first token whose text completes one of ``stop_strings`` (None: none does)."""
+        if not stop_strings or not any(stop in self.tokenizer.decode(tokens) for stop in stop_strings):
+            return None
+        for end in range(1, len(tokens) + 1):
+            text = self.tokenizer.decode(tokens[:end])
+            if any(stop in text for stop in stop_strings):
+                return end
+        return None
 
     # ------------------------------------------------------------------ streamed generation
 

@@ -206,7 +206,14 @@ def sglang_bucket_payload(flat: torch.Tensor, layout) -> bytes:
 def row_sampling_params(params: SamplingParams, rows: int) -> list[dict]:
     """SGLang's per-request sampling dicts for ``rows`` rows: each row its own seed
     (``params.row_seeds``, else ``params.seed + row``; one shared seed would give every
-    copy of a prompt the same response under deterministic inference)."""
+    copy of a prompt the same response under deterministic inference). Stop strings are
+    refused: how the wrapper's SGLang release reports the tokens of a matched stop string
+    is not yet checked against its source."""
+    if params.stop_strings:
+        raise ValueError(
+            f"the SGLang engine does not stop on text yet (stop_strings={list(params.stop_strings)}); "
+            "multi-turn environments run on the transformers engine"
+        )
     base = {
         "temperature": params.temperature,
         "top_p": params.top_p,

@@ -33,6 +33,7 @@ from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.run.signals import StopNow
 from dapo_megatron.run.system import start_rewards
+from dapo_megatron.sampling.episodes import episode_rules
 from dapo_megatron.sampling.rounds import generate_and_score
 from dapo_megatron.sampling.samples import Sample, validation_metrics
 
@@ -199,6 +200,7 @@ def evaluate_policy(
         config.algorithm,
         tokenizer,
         {},
+        episode_rules(config.rollout),
     )
     return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}, samples
 

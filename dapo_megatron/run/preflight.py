@@ -2,7 +2,7 @@
 
 ``config.validate`` checks a config's values against each other; it cannot see whether
 the files a config names exist, whether ``algorithm.reward_fn`` names a function that can
-be imported, whether the run folder can be written, or whether the tokenizer's ids fit
+be imported (``rollout.env`` a class), whether the run folder can be written, or whether the tokenizer's ids fit
 the model. Found late, each of those is a traceback after Ray and the ranks have started
 (a minute in, on a cluster much longer). :func:`preflight` finds them first: ``train``,
 ``eval``, ``bench`` and ``config`` (which makes ``dapo-megatron config`` a pre-flight for a
@@ -33,6 +33,27 @@ def check_reward(config: Config) -> None:
         resolve_reward(config.algorithm.reward_fn)
     except ValueError as exc:
         raise _fail(config, "algorithm.reward_fn", str(exc)) from None
+
+
+def check_environment(config: Config) -> None:
+    """``rollout.env`` names a registered environment or an importable ``module:Class``,
+    and the engine the run resolves to can play its episodes (the transformers one)."""
+    if config.rollout.env is None:
+        return
+    from dapo_megatron.orchestration.placement import engine_kind
+    from dapo_megatron.sampling.environments import resolve_environment
+
+    try:
+        resolve_environment(config.rollout.env)
+    except ValueError as exc:
+        raise _fail(config, "rollout.env", str(exc)) from None
+    if engine_kind(config) != "hf":
+        raise _fail(
+            config,
+            "rollout.env",
+            f"multi-turn episodes run on the transformers engine, and rollout.engine={config.rollout.engine} "
+            f"resolves to {engine_kind(config)} here: set rollout.engine=hf",
+        )
 
 
 def _demo_hint(path: str) -> str:
@@ -109,5 +130,6 @@ def preflight(config: Config) -> None:
     """Every check above that needs no tokenizer (:func:`check_tokenizer_fits` runs where
     the tokenizer is loaded)."""
     check_reward(config)
+    check_environment(config)
     check_inputs_exist(config)
     check_output_dirs(config)

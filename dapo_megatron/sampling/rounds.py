@@ -13,14 +13,17 @@ step). :func:`make_sampler` picks one from ``rollout.streaming``. What a sampler
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 from dapo_megatron.algo import DynamicSamplingAccumulator
+from dapo_megatron.algo.rewards import RewardResult
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.config import AlgorithmConfig, DataConfig, RolloutConfig
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.rollout.seeds import sampling_seeds
 from dapo_megatron.runtime.measure import timed
+from dapo_megatron.sampling.episodes import EpisodeRules, episode_metrics, run_episodes
 from dapo_megatron.sampling.sampler import Sampler
 from dapo_megatron.sampling.samples import (
     Sample,
@@ -28,6 +31,7 @@ from dapo_megatron.sampling.samples import (
     drop_aborted_groups,
     response_metrics,
     samples_from_generations,
+    samples_from_trajectories,
 )
 from dapo_megatron.sampling.streaming import StreamingSampler
 
@@ -56,15 +60,41 @@ def generate_and_score(
     algorithm: AlgorithmConfig,
     tokenizer,
     times: dict[str, float],
+    episodes: Optional[EpisodeRules] = None,
 ) -> list[Sample]:
     """``n`` responses per prompt, scored with ``algorithm``'s overlong punishment (at
     ``params.max_new_tokens``, the response length sampled to); the seconds of both go
-    to ``times['generate']`` and ``times['reward']``."""
+    to ``times['generate']`` and ``times['reward']``. With ``episodes``, each response is
+    a multi-turn episode (``sampling/episodes.py``), its tool calls counted in the
+    generation's time."""
     with timed(times, "generate"):
-        generations = engines.generate([list(p.token_ids) for p in prompts], params, n)
-    samples = samples_from_generations(prompts, generations, round_index, tokenizer)
+        if episodes is None:
+            generations = engines.generate([list(p.token_ids) for p in prompts], params, n)
+        else:
+            trajectories = run_episodes(
+                lambda contexts, turn: engines.generate(contexts, turn, 1),
+                prompts,
+                n,
+                params,
+                episodes.environment,
+                tokenizer,
+                max_turns=episodes.max_turns,
+                max_tokens=params.max_new_tokens,
+            )
+    if episodes is None:
+        samples = samples_from_generations(prompts, generations, round_index, tokenizer)
+    else:
+        samples = samples_from_trajectories(prompts, trajectories, round_index, tokenizer)
     with timed(times, "reward"):
-        results = rewards.score([s.text for s in samples], [s.prompt.ground_truth for s in samples])
+        # An episode the environment scored is not scored again.
+        unscored = [s for s in samples if s.environment_reward is None]
+        scored = iter(rewards.score([s.text for s in unscored], [s.prompt.ground_truth for s in unscored]))
+        results = [
+            next(scored)
+            if s.environment_reward is None
+            else RewardResult(s.environment_reward, s.environment_reward > 0, None)
+            for s in samples
+        ]
         apply_rewards(samples, results, algorithm, params.max_new_tokens)
     return samples
 
@@ -83,6 +113,7 @@ class RoundSampler(Sampler):
             d.train_batch_size, r.n_samples_per_prompt, a.max_num_gen_batches, filter_groups=a.dynamic_sampling
         )
         generated_tokens = all_equal = groups = timeouts = errors = aborted = 0
+        episodes: list = []
         round_index = 0
         while not accumulator.is_full:
             prompts = self.loader.next_batch(d.gen_batch_size or d.train_batch_size)
@@ -97,8 +128,10 @@ class RoundSampler(Sampler):
                 a,
                 self.tokenizer,
                 times,
+                self.episodes,
             )
-            generated_tokens += sum(len(s.response_ids) for s in samples)
+            generated_tokens += sum(len(s.response_ids) if s.model_mask is None else sum(s.model_mask) for s in samples)
+            episodes += [s.episode for s in samples if s.episode is not None]
             samples, round_aborted = drop_aborted_groups(samples)
             aborted += round_aborted
             timeouts += sum(s.timed_out for s in samples)
@@ -124,6 +157,8 @@ class RoundSampler(Sampler):
             "throughput/reward_responses_per_s": groups * r.n_samples_per_prompt / max(times["reward"], 1e-9),
             "data/epoch": float(self.loader.epoch),
         }
+        if self.episodes is not None:  # every episode of the step, also those whose groups were dropped
+            metrics.update(episode_metrics(episodes, generated_tokens))
         return kept, metrics
 
     def state_dict(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dapo_megatron.config import AlgorithmConfig, Config, DataConfig, RolloutConfig
 from dapo_megatron.rollout.engine import SamplingParams
+from dapo_megatron.sampling.episodes import episode_rules
 
 
 class Sampler:
@@ -37,6 +38,8 @@ class Sampler:
         self.engines, self.rewards, self.loader = engines, rewards, loader
         self.sampling, self.tokenizer = sampling, tokenizer
         self.rollout, self.algorithm, self.data = rollout, algorithm, data
+        self.episodes = episode_rules(rollout)
+        """``rollout.env``'s multi-turn episodes (None: single-turn responses)."""
 
 
 def sampler_sections(config: Config) -> dict:

@@ -21,6 +21,7 @@ from dapo_megatron.algo.rewards import RewardResult
 from dapo_megatron.config import AlgorithmConfig
 from dapo_megatron.data import Prompt
 from dapo_megatron.rollout.engine import Generation
+from dapo_megatron.sampling.episodes import EpisodeStats, Trajectory
 
 
 @dataclass
@@ -59,6 +60,15 @@ class Sample:
     token_versions: Optional[list[int]] = None
     """Streamed generation: the policy version that sampled each response token (a partial
     rollout continued under newer weights holds several); None: all ``policy_version``."""
+    model_mask: Optional[list[int]] = None
+    """Multi-turn episodes (``sampling/episodes.py``): 1 at each response token the model
+    sampled, 0 at an observation's (in the context, out of the loss and its token count);
+    None: the model sampled every response token."""
+    episode: Optional[EpisodeStats] = None
+    """Multi-turn episodes: what the step's metrics count of it."""
+    environment_reward: Optional[float] = None
+    """Multi-turn episodes: the environment's score, when it gave one (it replaces the
+    reward function's)."""
 
     @property
     def reward(self) -> float:
@@ -87,6 +97,30 @@ def samples_from_generations(
             )
         )
     return samples
+
+
+def samples_from_trajectories(
+    prompts: list[Prompt], trajectories: list[Trajectory], round_index: int, tokenizer
+) -> list[Sample]:
+    """One sample per episode: its tokens after the prompt are the response (model turns
+    and observations), ``model_mask`` says which the model sampled; its text (what the
+    reward function reads) is their decoding. An episode ended by ``max_turns`` finished
+    as ``stop`` (it was not cut by the length bound)."""
+    return [
+        Sample(
+            group_id=(round_index, t.prompt_index),
+            prompt=prompts[t.prompt_index],
+            response_ids=list(t.token_ids),
+            engine_log_probs=list(t.log_probs),
+            finish_reason="stop" if t.finish_reason == "max_turns" else t.finish_reason,
+            text=tokenizer.decode(t.token_ids, skip_special_tokens=True),
+            policy_version=t.weight_version,
+            model_mask=list(t.model_mask),
+            episode=t.stats,
+            environment_reward=t.reward,
+        )
+        for t in trajectories
+    ]
 
 
 def drop_aborted_groups(samples: list[Sample]) -> tuple[list[Sample], int]:
@@ -131,6 +165,13 @@ def build_policy_batch(samples: list[Sample], algorithm: AlgorithmConfig) -> Pol
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     advantages = group_advantages_by_id(rewards, [s.group_id for s in samples], algorithm.advantage_eps)
     batch = PolicyBatch(tokens, prompt_lengths, response_lengths, advantages=advantages.float())
+    if any(s.model_mask is not None for s in samples):
+        loss_mask = batch.response_mask()
+        for row, sample in enumerate(samples):
+            if sample.model_mask is not None:
+                start = len(sample.prompt.token_ids)
+                loss_mask[row, start : start + len(sample.model_mask)] = torch.tensor(sample.model_mask)
+        batch.loss_mask = loss_mask
     if algorithm.overlong_filter:
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         batch.loss_mask = overlong_filter_mask(batch.response_mask(), truncated)

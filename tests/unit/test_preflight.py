@@ -60,6 +60,32 @@ def test_an_unknown_reward_is_refused_before_anything_starts(demo_files, capsys,
     assert time.monotonic() - start < 20 and not (root / "run").exists()  # no Ray, no run folder
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.env=abacus"], "rollout.env: unknown environment 'abacus'; registered: calculator, or name your own"),
+        (
+            ["rollout.env=calculator", "rollout.engine=sglang", "parallel.device=cuda"],
+            "rollout.env's multi-turn episodes run on the transformers",
+        ),
+        (["rollout.env=calculator", "rollout.streaming=true"], "generated in rounds (not yet streamed)"),
+        (["rollout.max_turns=3"], "rollout.max_turns=3 acts only on multi-turn episodes: set rollout.env"),
+        (["rollout.env=calculator", "rollout.max_turns=0"], "rollout.max_turns=0 must be >= 1"),
+        (["rollout.env=calculator", "trainer.async_generation=true"], "not yet generated ahead"),
+    ],
+)
+def test_multi_turn_settings_are_checked_before_anything_starts(demo_files, capsys, overrides, message):
+    root, path = demo_files
+    assert main(["config", str(path), *overrides]) == 2
+    assert message in capsys.readouterr().err and not (root / "run").exists()
+
+
+def test_a_cpu_run_with_an_environment_passes_the_checks(demo_files, capsys):
+    _, path = demo_files
+    assert main(["config", str(path), "rollout.env=calculator", "rollout.max_turns=4"]) == 0
+    assert "env: calculator" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["config", "train"])
 def test_an_output_folder_that_cannot_be_written_is_named(demo_files, tmp_path, capsys, command):
     _, path = demo_files

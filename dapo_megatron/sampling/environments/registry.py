@@ -1,0 +1,40 @@
+"""``rollout.env``'s names: the built-in environments, or ``module:Class`` for a user's
+own (a subclass of :class:`~dapo_megatron.sampling.environments.base.Environment` that
+takes no arguments), resolved before anything starts, as ``reward_fn`` is."""
+
+from __future__ import annotations
+
+import importlib
+
+from dapo_megatron.sampling.environments.base import Environment
+
+BUILT_IN = {"calculator": "dapo_megatron.sampling.environments.calculator:CalculatorEnvironment"}
+
+
+def available_environments() -> list[str]:
+    """The registered names."""
+    return sorted(BUILT_IN)
+
+
+def resolve_environment(name: str) -> type[Environment]:
+    """The environment class of a registered name or a ``module:Class`` path; ValueError
+    naming what is wrong and what is available."""
+    path = BUILT_IN.get(name, name)
+    module_name, _, attribute = path.partition(":")
+    if not attribute:
+        raise ValueError(
+            f"unknown environment {name!r}; registered: {', '.join(available_environments())}, "
+            "or name your own as module:Class"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"environment {name!r}: cannot import {module_name!r} ({exc})") from exc
+    found = getattr(module, attribute, None)
+    if not (isinstance(found, type) and issubclass(found, Environment)):
+        raise ValueError(
+            f"environment {name!r}: {module_name}.{attribute} is "
+            f"{'missing' if found is None else type(found).__name__}, not a subclass of "
+            "dapo_megatron.sampling.environments.Environment"
+        )
+    return found

@@ -1,0 +1,250 @@
+"""Multi-turn episodes, token in and token out.
+
+A trajectory is one token sequence after the prompt: each model turn exactly as the
+engine sampled it (its ids and their sampling log-probs), and after it the environment's
+observation, tokenised once (``tokenizer.encode`` of its text without special tokens) or
+given as ids. The next turn is generated from the prompt and everything so far as token
+ids; nothing the model wrote is ever decoded and encoded again. Decoding and encoding a
+turn does not always give back its ids (a tokenizer merges characters across the point
+where one generation stopped and the next began); every trajectory counts the turns
+where it would not have (``retokenized_differs``), so a run shows what it avoided.
+
+Only the model's tokens are trained: ``model_mask`` is 1 on them and 0 on observation
+tokens, which carry a log-prob of 0.0 (no engine sampled them). Bounds: at most
+``max_turns`` model turns, at most ``max_tokens`` tokens after the prompt in all (model
+and observation tokens); an episode that reaches either ends there (``finish_reason``
+``max_turns`` or ``length``), one whose engine gave up ends ``abort``.
+
+Seeds: every turn of a row samples from :func:`continuation_seed` of the row's seed and
+the tokens it holds, so a row's turns never share a seed and a replay samples the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from dapo_megatron.config import RolloutConfig
+from dapo_megatron.data import Prompt
+from dapo_megatron.rollout.engine import Generation, SamplingParams
+from dapo_megatron.rollout.seeds import continuation_seed, sampling_seeds
+from dapo_megatron.sampling.environments.base import Environment, Episode, Observation
+from dapo_megatron.sampling.environments.registry import resolve_environment
+
+Generate = Callable[[list[list[int]], SamplingParams], list[Generation]]
+"""An engine's generation of one response per row (``RolloutWorkers.generate`` with n 1)."""
+
+
+@dataclass(frozen=True)
+class EpisodeRules:
+    """How a run's responses are played as episodes: the environment and the turn bound
+    (the token bound is the responses', ``rollout.max_response_length``)."""
+
+    environment: Environment
+    max_turns: int
+
+
+def episode_rules(rollout: RolloutConfig) -> Optional[EpisodeRules]:
+    """``rollout.env``'s environment and ``rollout.max_turns``; None for single-turn
+    responses (``env`` unset)."""
+    if rollout.env is None:
+        return None
+    return EpisodeRules(resolve_environment(rollout.env)(), rollout.max_turns)
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """What a step's metrics count of one episode."""
+
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    tool_timeouts: int
+    observation_tokens: int
+    ended_by_max_turns: bool
+    retokenized_differs: int
+
+
+def episode_metrics(stats: list[EpisodeStats], response_tokens: int) -> dict[str, float]:
+    """The ``episode/*`` metrics of a step's episodes (``response_tokens``: all their
+    tokens after the prompts, model's and observations')."""
+    n = max(len(stats), 1)
+    observed = sum(s.observation_tokens for s in stats)
+    return {
+        "episode/turns_mean": sum(s.turns for s in stats) / n,
+        "episode/tool_calls": float(sum(s.tool_calls for s in stats)),
+        "episode/tool_errors": float(sum(s.tool_errors for s in stats)),
+        "episode/tool_timeouts": float(sum(s.tool_timeouts for s in stats)),
+        "episode/observation_tokens": float(observed),
+        "episode/masked_token_share": observed / max(response_tokens, 1),
+        "episode/ended_by_max_turns": float(sum(s.ended_by_max_turns for s in stats)),
+        "episode/retokenized_turns": float(sum(s.retokenized_differs for s in stats)),
+    }
+
+
+@dataclass
+class Trajectory:
+    """One episode, as the trainer trains on it (see the module docstring)."""
+
+    prompt_index: int
+    """Which prompt of the request it answers."""
+    token_ids: list[int] = field(default_factory=list)
+    """Every token after the prompt: model turns and observations, in order."""
+    log_probs: list[float] = field(default_factory=list)
+    """The engine's sampling log-prob of each model token; 0.0 at observation tokens."""
+    model_mask: list[int] = field(default_factory=list)
+    """1: a token the model sampled (trained); 0: an observation's (context only)."""
+    turns: int = 0
+    """Model turns generated."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    retokenized_differs: int = 0
+    """Turns whose ids decoding and encoding would have changed."""
+    finish_reason: Optional[str] = None
+    """``stop`` (the episode ended), ``length``, ``max_turns`` or ``abort``; None while running."""
+    reward: Optional[float] = None
+    """The environment's score of the episode, when it gives one."""
+    weight_version: int = -1
+    """The oldest weight version that sampled one of its turns."""
+
+    @property
+    def observation_tokens(self) -> int:
+        return len(self.model_mask) - sum(self.model_mask)
+
+    @property
+    def stats(self) -> EpisodeStats:
+        return EpisodeStats(
+            self.turns,
+            self.tool_calls,
+            self.tool_errors,
+            self.tool_timeouts,
+            self.observation_tokens,
+            self.finish_reason == "max_turns",
+            self.retokenized_differs,
+        )
+
+
+def run_episodes(
+    generate: Generate,
+    prompts: list[Prompt],
+    n: int,
+    params: SamplingParams,
+    environment: Environment,
+    tokenizer,
+    *,
+    max_turns: int,
+    max_tokens: int,
+) -> list[Trajectory]:
+    """``n`` episodes of each prompt (prompt-major, as engines return responses), played
+        to their end (see the module docstring). ``params.row_seeds`` (one per episode) seed
+        the rows (without them, :func:`sampling_seeds` of ``params.seed``; unseeded without
+    either); ``params.max_new_tokens`` bounds one turn."""
+    if max_turns < 1 or max_tokens < 1:
+        raise ValueError(f"max_turns={max_turns} and max_tokens={max_tokens} must be at least 1")
+    rows = len(prompts) * n
+    seeds = params.row_seeds
+    if seeds is None and params.seed is not None:
+        seeds = sampling_seeds(params.seed, 0, 0, len(prompts), n)
+    if seeds is not None and len(seeds) != rows:
+        raise ValueError(f"{len(seeds)} row seeds for {rows} episodes")
+    stop = (*params.stop_strings, *environment.stop_strings)
+    trajectories = [Trajectory(row // n) for row in range(rows)]
+    episodes: list[Optional[Episode]] = [None] * rows
+    try:
+        for row in range(rows):
+            episodes[row] = environment.start(prompts[row // n])
+        active = list(range(rows))
+        while active:
+            turn = [trajectories[row] for row in active]
+            # Each row's turn may fill what is left of its budget; the request asks for the
+            # largest, and a row's tokens beyond its own are dropped (sampling more after
+            # them does not change them).
+            budgets = [min(params.max_new_tokens, max_tokens - len(t.token_ids)) for t in turn]
+            request = replace(
+                params,
+                seed=None,
+                stop_strings=stop,
+                row_seeds=None
+                if seeds is None
+                else tuple(continuation_seed(seeds[row], len(t.token_ids)) for row, t in zip(active, turn)),
+                max_new_tokens=max(budgets),
+            )
+            contexts = [list(prompts[t.prompt_index].token_ids) + t.token_ids for t in turn]
+            for row, budget, generation in zip(active, budgets, generate(contexts, request)):
+                if len(generation.token_ids) > budget:
+                    generation = replace(
+                        generation,
+                        token_ids=generation.token_ids[:budget],
+                        log_probs=generation.log_probs[:budget],
+                        finish_reason="length",
+                    )
+                _take_turn(trajectories[row], episodes[row], generation, tokenizer, stop, max_turns, max_tokens)
+            for row in active:
+                if trajectories[row].finish_reason is not None:
+                    episode, episodes[row] = episodes[row], None
+                    episode.close()
+            active = [row for row in active if trajectories[row].finish_reason is None]
+    finally:
+        for episode in episodes:
+            if episode is not None:
+                episode.close()
+    return trajectories
+
+
+def _take_turn(
+    trajectory: Trajectory,
+    episode: Episode,
+    generation: Generation,
+    tokenizer,
+    stop_strings: tuple[str, ...],
+    max_turns: int,
+    max_tokens: int,
+) -> None:
+    """Append one model turn and, unless the episode ends, the observation that answers it.
+    A turn that stopped on a token (end of sequence) ends the episode whatever the
+    environment answers; one that stopped on a stop string (the engine stops at the first)
+    is a tool call the observation answers."""
+    ids = list(generation.token_ids)
+    trajectory.token_ids += ids
+    trajectory.log_probs += list(generation.log_probs)
+    trajectory.model_mask += [1] * len(ids)
+    trajectory.turns += 1
+    if trajectory.weight_version < 0 or 0 <= generation.weight_version < trajectory.weight_version:
+        trajectory.weight_version = generation.weight_version
+    if tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) != ids:
+        trajectory.retokenized_differs += 1
+    if generation.finish_reason in ("abort", "length"):  # the engine gave up, or the budget ran out mid-turn
+        trajectory.finish_reason = generation.finish_reason
+        return
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    observation = episode.step(ids, text)
+    trajectory.tool_calls += observation.tool_calls
+    trajectory.tool_errors += observation.tool_errors
+    trajectory.tool_timeouts += observation.tool_timeouts
+    if observation.reward is not None:
+        trajectory.reward = observation.reward
+    ended_on_eos = not any(stop in text for stop in stop_strings)
+    if observation.done or ended_on_eos:
+        trajectory.finish_reason = "stop"
+    elif len(trajectory.token_ids) >= max_tokens:
+        trajectory.finish_reason = "length"
+    elif trajectory.turns >= max_turns:
+        trajectory.finish_reason = "max_turns"
+    else:
+        _append_observation(trajectory, observation, tokenizer, max_tokens)
+
+
+def _append_observation(trajectory: Trajectory, observation: Observation, tokenizer, max_tokens: int) -> None:
+    """The observation's ids after the turn (cut at ``max_tokens``, which ends the episode)."""
+    if observation.token_ids is not None:
+        ids = list(observation.token_ids)
+    else:
+        ids = tokenizer.encode(observation.text, add_special_tokens=False)
+    room = max_tokens - len(trajectory.token_ids)
+    trajectory.token_ids += ids[:room]
+    trajectory.log_probs += [0.0] * len(ids[:room])
+    trajectory.model_mask += [0] * len(ids[:room])
+    if len(ids) >= room:
+        trajectory.finish_reason = "length"
