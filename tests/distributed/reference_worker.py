@@ -30,9 +30,19 @@ RESPONSE_LENGTHS = [9, 3, 12, 5, 5, 11, 2, 7]  # odd token totals: data-parallel
 PROMPT_LENGTHS = [4, 6, 3, 5, 7, 2, 5, 4]
 
 
-def reference_batch():
+def reference_batch(observed: bool = False):
+    """The reference step's batch; ``observed``: as multi-turn episodes' (``rollout.env``),
+    each response of at least 5 tokens holds an observation at its 3rd and 4th tokens, in
+    the context and out of the loss (the loss mask's holes)."""
     batch = make_batch(21, RESPONSE_LENGTHS, PROMPT_LENGTHS)
     batch.tokens %= VOCAB
+    if observed:
+        mask = batch.response_mask().clone()
+        for row in range(batch.num_rows):
+            if batch.response_lengths[row] >= 5:
+                start = int(batch.prompt_lengths[row]) + 2
+                mask[row, start : start + 2] = 0
+        batch.loss_mask = mask
     return batch
 
 
@@ -132,12 +142,14 @@ def dapo_step_with_gradients(
     family: str = "qwen2",
     ep_size: int = 1,
     mlp_only_layers: tuple[int, ...] = (),
+    observed: bool = False,
 ) -> None:
     """``row_dependent_gemms``: run the whole step under :class:`RowCountDependentGemms`
     (only the first update's ratio is then checked). ``kl_type``: with the KL penalty of
     that estimator (coefficient ``KL_COEF``) to the reference policy in ``hf_ref_tied*``.
     ``ep_size``: experts over that many expert-parallel ranks (a family with experts);
-    ``mlp_only_layers``: its layers that keep a dense MLP."""
+    ``mlp_only_layers``: its layers that keep a dense MLP; ``observed``: the batch holds
+    observation tokens out of the loss (:func:`reference_batch`)."""
     if row_dependent_gemms:
         with RowCountDependentGemms():
             return dapo_step_with_gradients(workdir, tp_size, pp_size, dp_size, weighted, family=family)
@@ -149,7 +161,7 @@ def dapo_step_with_gradients(
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
         for tied in (False, True):
             cfg.model.tie_word_embeddings = tied
-            batch = reference_batch()
+            batch = reference_batch(observed)
             saved = _step_capturing_gradients(
                 cfg, info, workdir, f"hf_tied{int(tied)}", batch, dp_size, weighted, kl_type
             )

@@ -127,18 +127,18 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("family", "tp_size", "pp_size", "dp_size", "weighted", "kl_type", "ep_size", "mlp_only_layers"),
+    ("family", "tp_size", "pp_size", "dp_size", "weighted", "kl_type", "ep_size", "mlp_only_layers", "observed"),
     [
-        ("qwen2", 2, 2, 1, False, None, 1, ()),
-        ("qwen2", 1, 2, 2, False, None, 1, ()),
-        ("qwen2", 2, 1, 2, True, None, 1, ()),
-        ("qwen2", 1, 2, 2, False, "k3", 1, ()),
-        ("qwen2", 2, 1, 2, False, "k1", 1, ()),
-        ("qwen3", 2, 1, 1, False, None, 1, ()),
-        ("qwen3", 1, 2, 1, False, None, 1, ()),
-        ("qwen3_moe", 1, 1, 2, False, None, 2, ()),
-        ("qwen3_moe", 2, 1, 2, False, None, 2, ()),
-        ("qwen3_moe", 1, 2, 2, False, None, 2, (1,)),
+        ("qwen2", 2, 2, 1, False, None, 1, (), False),
+        ("qwen2", 1, 2, 2, False, None, 1, (), False),
+        ("qwen2", 2, 1, 2, True, None, 1, (), False),
+        ("qwen2", 1, 2, 2, False, "k3", 1, (), False),
+        ("qwen2", 2, 1, 2, False, "k1", 1, (), False),
+        ("qwen3", 2, 1, 1, False, None, 1, (), True),
+        ("qwen3", 1, 2, 1, False, None, 1, (), True),
+        ("qwen3_moe", 1, 1, 2, False, None, 2, (), True),
+        ("qwen3_moe", 2, 1, 2, False, None, 2, (), False),
+        ("qwen3_moe", 1, 2, 2, False, None, 2, (1,), False),
     ],
     ids=[
         "tp2-pp2",
@@ -146,15 +146,15 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
         "tp2-dp2-rollout-correction",
         "pp2-dp2-kl-k3",
         "tp2-dp2-kl-k1",
-        "qwen3-tp2",
-        "qwen3-pp2",
-        "qwen3moe-ep2-dp2",
+        "qwen3-tp2-observations",
+        "qwen3-pp2-observations",
+        "qwen3moe-ep2-dp2-observations",
         "qwen3moe-tp2-ep2-dp2",
         "qwen3moe-dense-layer-pp2-ep2-dp2",
     ],
 )
 def test_dapo_gradients_equal_an_independent_float64_reference(
-    tmp_path, family, tp_size, pp_size, dp_size, weighted, kl_type, ep_size, mlp_only_layers
+    tmp_path, family, tp_size, pp_size, dp_size, weighted, kl_type, ep_size, mlp_only_layers, observed
 ):
     """With ``weighted``, the batch carries rollout-correction weights (TIS values, some
     capped, and MIS zeros) that the reference multiplies into its token losses. With
@@ -166,7 +166,9 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
     exchanged by megatron's all-to-all on gloo; the experts' gradients are reduced over
     the expert-data-parallel group, not the data-parallel one; with ``mlp_only_layers``,
     dense layers among the MoE ones (megatron's per-layer specs and checkpoint keys), here
-    over two pipeline stages."""
+    over two pipeline stages. With ``observed``, the batch holds observation tokens of
+    multi-turn episodes (``rollout.env``): in the context, out of the loss and its token
+    count; the reference that trains them too is far from the actor (the negative control)."""
     for tied in (False, True):
         # (Seeds for which no off-policy ratio sits within 1e-4 of a clip boundary.)
         dense = {"mlp_only_layers": list(mlp_only_layers)} if mlp_only_layers else {}
@@ -180,7 +182,19 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
     launch_local(
         reference_worker.dapo_step_with_gradients,
         tp_size * pp_size * dp_size,
-        (str(tmp_path), tp_size, pp_size, dp_size, weighted, False, kl_type, family, ep_size, mlp_only_layers),
+        (
+            str(tmp_path),
+            tp_size,
+            pp_size,
+            dp_size,
+            weighted,
+            False,
+            kl_type,
+            family,
+            ep_size,
+            mlp_only_layers,
+            observed,
+        ),
     )
     for tied in (False, True):
         stages = [torch.load(tmp_path / f"ref_tied{int(tied)}_stage{s}.pt") for s in range(pp_size)]
@@ -192,6 +206,28 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
         # one or two rows of the budget of 24.
         micro_batches = 2 if dp_size == 1 else 1
         _assert_step_matches_float64(tmp_path, stages, batch, f"hf_tied{int(tied)}", tied, kl_type, micro_batches)
+        if observed:
+            holes = (batch.response_mask() == 0) & (batch._response_region() == 1)
+            assert int(holes.sum()) == 2 * sum(int(n) >= 5 for n in batch.response_lengths)
+            _assert_training_observations_is_far(tmp_path, stages, batch, f"hf_tied{int(tied)}", tied)
+
+
+def _assert_training_observations_is_far(tmp_path, stages, batch, hf_folder, tied) -> None:
+    """Negative control: the float64 reference of the first mini-batch trained on the
+    observation tokens too (the batch without its loss mask) is far from the actor's loss
+    and gradients, which the test above found within its tolerance of the masked one."""
+    unmasked = batch.select(list(range(batch.num_rows)))
+    unmasked.loss_mask = None
+    rows = list(range(batch.num_rows // reference_worker.NUM_MINI_BATCHES))
+    model = _float64_model(tmp_path / hf_folder, tied, None)
+    loss, _, _ = _reference_loss(model, unmasked, rows)
+    loss.backward()
+    metrics = stages[-1]["metrics"][0]
+    assert abs(metrics["loss"] - loss.item()) > 1e3 * RELATIVE_TOLERANCE * max(1.0, abs(loss.item()))
+    actor_gradients = _merged(stages, "gradients", 0)
+    reference = _by_checkpoint_name({name: p.grad for name, p in model.named_parameters()})
+    errors = [float((actor_gradients[n].double() - g).norm() / g.norm()) for n, g in reference.items()]
+    assert max(errors) > 1e3 * RELATIVE_TOLERANCE, max(errors)
 
 
 def _assert_step_matches_float64(tmp_path, stages, batch, hf_folder, tied, kl_type=None, micro_batches=2) -> None:
