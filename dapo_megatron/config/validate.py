@@ -411,12 +411,6 @@ def _validate_episodes(config: Config, fail) -> None:
             ("rollout.env", "rollout.streaming"),
             "rollout.env's multi-turn episodes are generated in rounds (not yet streamed): set rollout.streaming=false",
         )
-    if r.engine == "sglang":
-        fail(
-            ("rollout.env", "rollout.engine"),
-            "rollout.env's multi-turn episodes run on the transformers engine (SGLang's is not yet checked against "
-            "its release): set rollout.engine=hf (or auto on a machine without a GPU)",
-        )
 
 
 def _validate_batches(config: Config, fail) -> None:

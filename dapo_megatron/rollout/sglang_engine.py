@@ -147,7 +147,7 @@ SGLANG_SERVER_ARGS = (
     "load_format",
 )
 # Keys of SGLang's per-request sampling_params dict used below.
-SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed")
+SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop", "sampling_seed")
 
 
 ENGINE_PROCESS_ENV = "DAPO_MEGATRON_ENGINE_PROCESS"
@@ -206,14 +206,11 @@ def sglang_bucket_payload(flat: torch.Tensor, layout) -> bytes:
 def row_sampling_params(params: SamplingParams, rows: int) -> list[dict]:
     """SGLang's per-request sampling dicts for ``rows`` rows: each row its own seed
     (``params.row_seeds``, else ``params.seed + row``; one shared seed would give every
-    copy of a prompt the same response under deterministic inference). Stop strings are
-    refused: how the wrapper's SGLang release reports the tokens of a matched stop string
-    is not yet checked against its source."""
-    if params.stop_strings:
-        raise ValueError(
-            f"the SGLang engine does not stop on text yet (stop_strings={list(params.stop_strings)}); "
-            "multi-turn environments run on the transformers engine"
-        )
+    copy of a prompt the same response under deterministic inference). Stop strings go as
+    SGLang's ``stop``: its output ids run through the token that completes the string
+    (``Req.output_ids_through_stop``, the stop included) with a log-prob each, as the
+    transformers engine's do; only its text drops the string, and the trainer decodes the
+    ids itself."""
     base = {
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -221,6 +218,8 @@ def row_sampling_params(params: SamplingParams, rows: int) -> list[dict]:
         "max_new_tokens": params.max_new_tokens,
         "stop_token_ids": list(params.stop_token_ids),
     }
+    if params.stop_strings:
+        base["stop"] = list(params.stop_strings)
     if params.row_seeds is not None:
         if len(params.row_seeds) != rows:
             raise ValueError(f"{len(params.row_seeds)} row seeds for {rows} rows")

@@ -36,24 +36,15 @@ def check_reward(config: Config) -> None:
 
 
 def check_environment(config: Config) -> None:
-    """``rollout.env`` names a registered environment or an importable ``module:Class``,
-    and the engine the run resolves to can play its episodes (the transformers one)."""
+    """``rollout.env`` names a registered environment or an importable ``module:Class``."""
     if config.rollout.env is None:
         return
-    from dapo_megatron.orchestration.placement import engine_kind
     from dapo_megatron.sampling.environments import resolve_environment
 
     try:
         resolve_environment(config.rollout.env)
     except ValueError as exc:
         raise _fail(config, "rollout.env", str(exc)) from None
-    if engine_kind(config) != "hf":
-        raise _fail(
-            config,
-            "rollout.env",
-            f"multi-turn episodes run on the transformers engine, and rollout.engine={config.rollout.engine} "
-            f"resolves to {engine_kind(config)} here: set rollout.engine=hf",
-        )
 
 
 def _demo_hint(path: str) -> str:

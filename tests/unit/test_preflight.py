@@ -64,10 +64,6 @@ def test_an_unknown_reward_is_refused_before_anything_starts(demo_files, capsys,
     ("overrides", "message"),
     [
         (["rollout.env=abacus"], "rollout.env: unknown environment 'abacus'; registered: calculator, or name your own"),
-        (
-            ["rollout.env=calculator", "rollout.engine=sglang", "parallel.device=cuda"],
-            "rollout.env's multi-turn episodes run on the transformers",
-        ),
         (["rollout.env=calculator", "rollout.streaming=true"], "generated in rounds (not yet streamed)"),
         (["rollout.max_turns=3"], "rollout.max_turns=3 acts only on multi-turn episodes: set rollout.env"),
         (["rollout.env=calculator", "rollout.max_turns=0"], "rollout.max_turns=0 must be >= 1"),

@@ -22,12 +22,15 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.rollout import sglang_engine
+from dapo_megatron.rollout.engine import SamplingParams
 from dapo_megatron.rollout.sglang_engine import (
     SGLANG_API,
     SGLANG_CHECKED_CALLS,
     SGLANG_SAMPLING_KEYS,
     SGLANG_SERVER_ARGS,
     SUPPORTED_SGLANG,
+    finish_reason_of,
+    row_sampling_params,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -313,6 +316,31 @@ def test_finish_reasons_and_stop_tokens():
     assert "'type': 'abort'" in ast.unparse(to_json)
     finish = ast.unparse(_functions(path)["_check_token_based_finish"])
     assert "self.sampling_params.stop_token_ids" in finish and "self.eos_token_ids" in finish
+
+
+def test_a_matched_stop_string_ends_the_ids_with_the_token_that_completes_it():
+    """Multi-turn turns end on an environment's text (``stop``): SGLang sends the output
+    ids through the token that completes the string, the stop included, and a log-prob for
+    each of them; its finish reason is a ``stop`` that names the string (the wrapper's
+    ``finish_reason_of`` reads it as ``stop``)."""
+    batch = "sglang/srt/managers/schedule_batch.py"
+    functions = _functions(batch)
+    locate = functions["_locate_str_stop_finished_len"]
+    assert "stop included" in ast.get_docstring(locate)
+    assert "self.finished_reason = FINISH_MATCHED_STR(matched=stop_str)" in ast.unparse(
+        functions["_check_str_based_finish"]
+    )
+    through = ast.unparse(functions["output_ids_through_stop"])
+    assert "self.output_ids[:self.finished_len]" in through
+    streamer = wheel().read("sglang/srt/managers/scheduler_components/output_streamer.py").decode()
+    assert "output_ids_ = req.output_ids_through_stop" in streamer
+    assert "len(output_ids_) if req.is_retracted else max(len(output_ids_), 1)" in streamer  # logprob_end
+    matched = find_class(parse(batch), "FINISH_MATCHED_STR")
+    to_json = ast.unparse(next(n for n in matched.body if isinstance(n, ast.FunctionDef) and n.name == "to_json"))
+    assert "'type': 'stop'" in to_json and "'matched': self.matched" in to_json
+    assert finish_reason_of({"finish_reason": {"type": "stop", "matched": "</calc>"}}) == "stop"
+    rows = row_sampling_params(SamplingParams(stop_strings=("</calc>",), row_seeds=(5,)), 1)
+    assert rows == [{**rows[0], "stop": ["</calc>"], "sampling_seed": 5}]
 
 
 def test_engine_changes_process_wide_settings():
