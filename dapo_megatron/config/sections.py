@@ -182,7 +182,7 @@ class RolloutConfig:
     model's turns and the environment's observations make one token sequence after the
     prompt, the model's tokens as the engine sampled them; only those are trained, and
     ``max_response_length`` bounds all of them. Unset: single-turn responses. Generated in
-    rounds (not with ``streaming`` or ``trainer.async_generation``)."""
+    rounds (not with ``streaming``)."""
     max_turns: int = 8
     """Multi-turn (``env``): the most model turns of an episode; one that reaches it ends
     there, counted in ``episode/ended_by_max_turns``."""

@@ -400,12 +400,6 @@ def _validate_episodes(config: Config, fail) -> None:
                 "at its default",
             )
         return
-    if config.trainer.async_generation:
-        fail(
-            ("rollout.env", "trainer.async_generation"),
-            "rollout.env's multi-turn episodes are not yet generated ahead (a checkpoint's batch ahead does not "
-            "keep their loss mask): set trainer.async_generation=false",
-        )
     if r.streaming:
         fail(
             ("rollout.env", "rollout.streaming"),

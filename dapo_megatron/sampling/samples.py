@@ -261,7 +261,10 @@ def save_samples(path, samples: list[Sample], extra: dict) -> None:
 
 
 def samples_record(samples: list[Sample], extra: dict) -> dict:
-    """The record :func:`save_samples` writes (tensors, lists, numbers and strings only)."""
+    """The record :func:`save_samples` writes (tensors, lists, numbers and strings only):
+    what a batch needs to be trained as it would have been, multi-turn episodes' model
+    masks included (their metrics were logged when they were generated, so their episode
+    statistics are not kept)."""
     prompts = {s.prompt.prompt_id: s.prompt for s in samples}
 
     def flat(sequences, dtype):
@@ -294,6 +297,10 @@ def samples_record(samples: list[Sample], extra: dict) -> dict:
     if any(s.token_versions is not None for s in samples):
         record["token_versions"] = [
             None if s.token_versions is None else torch.tensor(s.token_versions, dtype=torch.int64) for s in samples
+        ]
+    if any(s.model_mask is not None for s in samples):  # multi-turn episodes: what the loss trains
+        record["model_mask"] = [
+            None if s.model_mask is None else torch.tensor(s.model_mask, dtype=torch.int8) for s in samples
         ]
     return record
 
@@ -336,5 +343,7 @@ def samples_from_record(record: dict, path="the record") -> tuple[list[Sample], 
         )
         versions = record["token_versions"][i] if "token_versions" in record else None
         samples[-1].token_versions = None if versions is None else versions.tolist()
+        mask = record["model_mask"][i] if "model_mask" in record else None
+        samples[-1].model_mask = None if mask is None else mask.tolist()
         start += length
     return samples, record["extra"]

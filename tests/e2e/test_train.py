@@ -189,13 +189,18 @@ def test_dynamic_sampling_that_keeps_nothing_fails_naming_the_knobs(tiny_model, 
 def test_multi_turn_episodes_train_through_the_whole_system(tiny_model, tmp_path, shared_ray):
     """``rollout.env``: every response an episode of model turns and tool observations
     (``tests/e2e/environments.py``) on the transformers engine, two steps trained on the
-    model's tokens; the step's episode metrics logged and consistent."""
+    model's tokens, each step's batch generated ahead during the previous one; the step's
+    episode metrics logged and consistent; the checkpoint's batch ahead keeps its masks."""
+    from dapo_megatron.run.resume import GENERATED_AHEAD
+    from dapo_megatron.sampling.samples import load_samples
+
     run_dir = tmp_path / "run"
     raw = run_config(tiny_model, run_dir, **{"trainer.val_every": 0, **ONE_RANK})
     raw["rollout"].update(env="tests.e2e.environments:PlusCalls", max_turns=3, max_response_length=12)
-    raw["trainer"]["val_before_train"] = False
-    raw["checkpoint"]["save_every"] = 0
+    raw["trainer"].update(val_before_train=False, async_generation=True)
     assert train(config_from_dict(joined(raw, shared_ray), "e2e")).steps == 2
+    ahead, _ = load_samples(run_dir / "checkpoints" / "step_00000002" / GENERATED_AHEAD)
+    assert all(s.model_mask is not None and len(s.model_mask) == len(s.response_ids) for s in ahead)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:

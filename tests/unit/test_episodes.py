@@ -14,7 +14,7 @@ from dapo_megatron.rollout.seeds import continuation_seed
 from dapo_megatron.sampling.environments import Environment, Episode, Observation, resolve_environment
 from dapo_megatron.sampling.environments.calculator import CalculatorEnvironment, CalculatorError, evaluate
 from dapo_megatron.sampling.episodes import run_episodes
-from dapo_megatron.sampling.samples import Sample, build_policy_batch
+from dapo_megatron.sampling.samples import Sample, build_policy_batch, load_samples, save_samples
 from tests.unit.test_hf_engine import real_qwen_tokenizer
 
 EOS = 1
@@ -179,6 +179,22 @@ def test_the_model_mask_keeps_observations_out_of_the_loss():
     filtered = build_policy_batch(samples, AlgorithmConfig(overlong_filter=True))
     assert filtered.response_mask()[0].tolist() == [0, 0, 0, 1, 0, 0, 1, 1]
     assert filtered.response_mask()[1].sum() == 0  # truncated: out of the loss, as without episodes
+
+
+def test_a_saved_batch_keeps_its_episodes_masks(tmp_path):
+    """A checkpoint's batch generated ahead (``save_samples``) trains as it would have."""
+    prompt = _prompt(0, "ab:")
+    samples = [
+        Sample((0, 0), prompt, [5, 6, 7, 8, 9], [-0.5] * 5, "stop", "", score=1.0, model_mask=[1, 0, 0, 1, 1]),
+        Sample((0, 0), prompt, [5, 6], [-0.25] * 2, "stop", "", score=-1.0, model_mask=[1, 1]),
+    ]
+    save_samples(tmp_path / "ahead.pt", samples, {})
+    loaded, _ = load_samples(tmp_path / "ahead.pt")
+    assert [s.model_mask for s in loaded] == [[1, 0, 0, 1, 1], [1, 1]]
+    config = AlgorithmConfig()
+    assert torch.equal(
+        build_policy_batch(loaded, config).response_mask(), build_policy_batch(samples, config).response_mask()
+    )
 
 
 def test_decode_then_encode_changes_a_real_tokenizers_turn_and_is_counted():

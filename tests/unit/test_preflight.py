@@ -67,7 +67,6 @@ def test_an_unknown_reward_is_refused_before_anything_starts(demo_files, capsys,
         (["rollout.env=calculator", "rollout.streaming=true"], "generated in rounds (not yet streamed)"),
         (["rollout.max_turns=3"], "rollout.max_turns=3 acts only on multi-turn episodes: set rollout.env"),
         (["rollout.env=calculator", "rollout.max_turns=0"], "rollout.max_turns=0 must be >= 1"),
-        (["rollout.env=calculator", "trainer.async_generation=true"], "not yet generated ahead"),
     ],
 )
 def test_multi_turn_settings_are_checked_before_anything_starts(demo_files, capsys, overrides, message):
