@@ -230,7 +230,7 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
         if rollout.env is not None:  # a multi-turn turn ends on its environment's text
             from dapo_megatron.data import load_tokenizer
 
-            tokenizer = load_tokenizer(config.data, folder)
+            tokenizer = load_tokenizer(config.data, Path(weights_dir) if weights_dir is not None else folder)
         if weights_dir is not None:
             return HFRolloutEngine.from_pretrained(weights_dir, device=device, tokenizer=tokenizer)
         eos = hf_eos_token_ids(folder) if folder is not None else ()

@@ -125,7 +125,8 @@ class _StopOnText:
 
     def __init__(self, tokenizer, stop_strings: tuple[str, ...], prompt_width: int) -> None:
         self.tokenizer, self.stop_strings, self.prompt_width = tokenizer, stop_strings, prompt_width
-        self.window = max(len(stop) for stop in stop_strings) + 1
+        # A token holds at least one byte of text: this many tokens hold the longest string.
+        self.window = max(len(stop.encode()) for stop in stop_strings) + 1
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         start = max(self.prompt_width, input_ids.shape[1] - self.window)
@@ -283,13 +284,18 @@ class HFRolloutEngine(RolloutEngine):
     def _stop_string_end(self, tokens: list[int], stop_strings: tuple[str, ...]) -> Optional[int]:
         """How many of ``tokens`` make up the response when it stops on text: up to the
         first token whose text completes one of ``stop_strings`` (None: none does)."""
-        if not stop_strings or not any(stop in self.tokenizer.decode(tokens) for stop in stop_strings):
-            return None
-        for end in range(1, len(tokens) + 1):
+
+        def holds(end: int) -> bool:
             text = self.tokenizer.decode(tokens[:end])
-            if any(stop in text for stop in stop_strings):
-                return end
-        return None
+            return any(stop in text for stop in stop_strings)
+
+        if not stop_strings or not holds(len(tokens)):
+            return None
+        low, high = 1, len(tokens)  # a longer prefix holds whatever a shorter one does
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if holds(middle) else (middle + 1, high)
+        return low
 
     # ------------------------------------------------------------------ streamed generation
 

@@ -66,11 +66,13 @@ class EpisodeStats:
     retokenized_differs: int
 
 
-def episode_metrics(stats: list[EpisodeStats], response_tokens: int) -> dict[str, float]:
-    """The ``episode/*`` metrics of a step's episodes (``response_tokens``: all their
-    tokens after the prompts, model's and observations')."""
+def episode_metrics(stats: list[EpisodeStats], model_tokens: int) -> dict[str, float]:
+    """The ``episode/*`` metrics of a step's episodes (``model_tokens``: the tokens their
+    model turns hold; ``masked_token_share`` is the observations' share of all tokens
+    after the prompts)."""
     n = max(len(stats), 1)
     observed = sum(s.observation_tokens for s in stats)
+    response_tokens = model_tokens + observed
     return {
         "episode/turns_mean": sum(s.turns for s in stats) / n,
         "episode/tool_calls": float(sum(s.tool_calls for s in stats)),
@@ -240,6 +242,11 @@ def _append_observation(trajectory: Trajectory, observation: Observation, tokeni
     """The observation's ids after the turn (cut at ``max_tokens``, which ends the episode)."""
     if observation.token_ids is not None:
         ids = list(observation.token_ids)
+        bad = [token for token in ids if not 0 <= token < len(tokenizer)]
+        if bad:
+            raise ValueError(
+                f"the environment's observation holds token ids {bad[:5]} outside the tokenizer's {len(tokenizer)}"
+            )
     else:
         ids = tokenizer.encode(observation.text, add_special_tokens=False)
     room = max_tokens - len(trajectory.token_ids)

@@ -27,6 +27,9 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [EOS if c == "\0" else ord(c) + 10 for c in text]
 
+    def __len__(self) -> int:
+        return 0x110000 + 10
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(("" if skip_special_tokens else "\0") if i == EOS else chr(i - 10) for i in ids)
 
@@ -240,6 +243,9 @@ def test_the_calculator_evaluates_integer_arithmetic_only():
         text="<result>error: division by zero</result>", tool_calls=1, tool_errors=1
     )
     assert episode.step([], "Answer: 36").done
+    # The token that completes the tag may carry more; the call follows the last opening tag.
+    assert episode.step([], "<calc>2*21</calc>.").text == "<result>42</result>"
+    assert episode.step([], "use <calc> then <calc>2*3</calc>").text == "<result>6</result>"
 
 
 def test_environments_are_named_or_given_as_module_and_class():
@@ -251,6 +257,28 @@ def test_environments_are_named_or_given_as_module_and_class():
         resolve_environment("no_such_module:Env")
     with pytest.raises(ValueError, match="test_episodes.CharTokenizer is type, not a subclass of"):
         resolve_environment("tests.unit.test_episodes:CharTokenizer")
+
+
+class _EmptyStop(_Bracket):
+    stop_strings = ("",)
+
+
+class _BadIds(_Bracket):
+    def start(self, prompt):
+        class _Episode(Episode):
+            def step(self, turn_ids, turn_text):
+                return Observation(token_ids=(5, -1))
+
+        return _Episode()
+
+
+def test_an_empty_stop_string_and_ids_outside_the_vocabulary_are_refused():
+    with pytest.raises(ValueError, match="stop_strings must be a tuple of non-empty strings"):
+        resolve_environment("tests.unit.test_episodes:_EmptyStop")
+    engine = _Scripted({0: [("[a]", "stop")]})
+    engine.row_of = {tuple(TOKENIZER.encode("p0:")): 0}
+    with pytest.raises(ValueError, match=r"observation holds token ids \[-1\] outside the tokenizer's"):
+        run_episodes(engine, [_prompt(0, "p0:")], 1, SamplingParams(), _BadIds(), TOKENIZER, max_turns=2, max_tokens=9)
 
 
 def test_observations_must_say_something_unless_the_episode_ends():

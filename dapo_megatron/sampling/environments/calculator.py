@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import ast
 import operator
-import re
+from typing import Optional
 
 from dapo_megatron.data import Prompt
 from dapo_megatron.sampling.environments.base import Environment, Episode, Observation
 
 MAX_EXPRESSION_CHARS = 200
 MAX_DIGITS = 30
-CALL = re.compile(r"<calc>(.*?)</calc>\s*$", re.DOTALL)
 _OPERATORS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -68,15 +67,27 @@ def _bounded(value: int) -> int:
     return value
 
 
+def called_expression(turn_text: str) -> Optional[str]:
+    """The expression of the turn's call, or None without one. A turn that holds
+    ``</calc>`` ended there (the engine stops at the first, with the token that completes
+    it, which may carry a character or two more): the call is what follows the last
+    ``<calc>`` before it."""
+    end = turn_text.find("</calc>")
+    start = turn_text.rfind("<calc>", 0, max(end, 0))
+    if end < 0 or start < 0:
+        return None
+    return turn_text[start + len("<calc>") : end]
+
+
 class CalculatorEpisode(Episode):
     """One prompt's episode: answers each call, ends at a turn without one."""
 
     def step(self, turn_ids: list[int], turn_text: str) -> Observation:
-        call = CALL.search(turn_text)
-        if call is None:
+        expression = called_expression(turn_text)
+        if expression is None:
             return Observation(done=True)
         try:
-            return Observation(text=f"<result>{evaluate(call.group(1))}</result>", tool_calls=1)
+            return Observation(text=f"<result>{evaluate(expression)}</result>", tool_calls=1)
         except CalculatorError as exc:
             return Observation(text=f"<result>error: {exc}</result>", tool_calls=1, tool_errors=1)
 

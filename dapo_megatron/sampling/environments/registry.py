@@ -37,4 +37,10 @@ def resolve_environment(name: str) -> type[Environment]:
             f"{'missing' if found is None else type(found).__name__}, not a subclass of "
             "dapo_megatron.sampling.environments.Environment"
         )
+    stops = found.stop_strings
+    if not isinstance(stops, tuple) or not all(isinstance(stop, str) and stop for stop in stops):
+        raise ValueError(
+            f"environment {name!r}: stop_strings must be a tuple of non-empty strings (got {stops!r}); an empty "
+            "one would end every turn after one token"
+        )
     return found
