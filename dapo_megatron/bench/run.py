@@ -207,6 +207,7 @@ class _Bench:
         rounds = iter(range(1_000_000))
         seconds: list[float] = []  # of the generation alone, not the scoring
         last: dict = {}
+        episodes = episode_rules(r)
 
         def one() -> None:
             round_index = next(rounds)
@@ -222,7 +223,7 @@ class _Bench:
                 self.config.algorithm,
                 self.tokenizer,
                 times,
-                episode_rules(r),
+                episodes,
             )
             seconds.append(times["generate"])
 

@@ -294,20 +294,20 @@ def samples_record(samples: list[Sample], extra: dict) -> dict:
         **{key: torch.tensor([getattr(s, key) for s in samples], dtype=torch.int64) for key in _INT_FIELDS},
         **{key: [getattr(s, key) for s in samples] for key in _STR_FIELDS},
     }
-    if any(s.token_versions is not None for s in samples):
-        record["token_versions"] = [
-            None if s.token_versions is None else torch.tensor(s.token_versions, dtype=torch.int64) for s in samples
-        ]
-    if any(s.model_mask is not None for s in samples):  # multi-turn episodes: what the loss trains
-        record["model_mask"] = [
-            None if s.model_mask is None else torch.tensor(s.model_mask, dtype=torch.int8) for s in samples
-        ]
+    for key, dtype in _PER_TOKEN_FIELDS.items():
+        if any(getattr(s, key) is not None for s in samples):
+            record[key] = [
+                None if getattr(s, key) is None else torch.tensor(getattr(s, key), dtype=dtype) for s in samples
+            ]
     return record
 
 
 _FLOAT_FIELDS = ("score", "overlong_penalty")
 _INT_FIELDS = ("correct", "timed_out", "reward_error", "policy_version")
 _STR_FIELDS = ("finish_reason", "text", "prediction")
+_PER_TOKEN_FIELDS = {"token_versions": torch.int64, "model_mask": torch.int8}
+"""Optional per-token lists of a sample (streamed versions; multi-turn episodes' model
+mask, what the loss trains), kept only when a sample of the batch has one."""
 
 
 def load_samples(path) -> tuple[list[Sample], dict]:
@@ -341,9 +341,8 @@ def samples_from_record(record: dict, path="the record") -> tuple[list[Sample], 
                 **{key: bool(record[key][i]) for key in _INT_FIELDS if key != "policy_version"},
             )
         )
-        versions = record["token_versions"][i] if "token_versions" in record else None
-        samples[-1].token_versions = None if versions is None else versions.tolist()
-        mask = record["model_mask"][i] if "model_mask" in record else None
-        samples[-1].model_mask = None if mask is None else mask.tolist()
+        for key in _PER_TOKEN_FIELDS:
+            values = record[key][i] if key in record else None
+            setattr(samples[-1], key, None if values is None else values.tolist())
         start += length
     return samples, record["extra"]
