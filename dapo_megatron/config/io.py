@@ -37,6 +37,9 @@ def _type_name(tp: Any) -> str:
     if origin is list:
         (item,) = typing.get_args(tp)
         return f"list of {_type_name(item)}"
+    if origin is dict:
+        key, item = typing.get_args(tp)
+        return f"mapping of {_type_name(key)} to {_type_name(item)}"
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
@@ -50,7 +53,8 @@ def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
     """Return ``value`` as type ``tp`` or raise _Mismatch.
 
     Strict: the only conversions are int -> float, a numeric string -> float (PyYAML
-    reads ``1e-6`` as a string) and, for command-line text, the raw text -> str.
+    reads ``1e-6`` as a string) and, for command-line text, the raw text -> str. A
+    mapping's keys and values are checked one by one (a union tries its types in order).
     """
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -76,6 +80,11 @@ def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
         if not isinstance(value, list):
             raise _Mismatch
         return [_coerce(v, item, from_text=from_text) for v in value]
+    if origin is dict:
+        key_type, item = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise _Mismatch
+        return {_coerce(k, key_type, from_text=False): _coerce(v, item, from_text=False) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value

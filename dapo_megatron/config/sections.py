@@ -183,6 +183,10 @@ class RolloutConfig:
     prompt, the model's tokens as the engine sampled them; only those are trained, and
     ``max_response_length`` bounds all of them. Unset: single-turn responses. Generated in
     rounds (not with ``streaming``)."""
+    env_options: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Multi-turn (``env``): keyword arguments of the environment's class, checked by the
+    run's pre-flight (``python``: ``timeout_s``, ``memory_mb``, ``output_chars``,
+    ``file_mb``; docs/environments.md)."""
     max_turns: int = 8
     """Multi-turn (``env``): the most model turns of an episode; one that reaches it ends
     there, counted in ``episode/ended_by_max_turns``."""

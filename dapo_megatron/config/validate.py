@@ -399,6 +399,12 @@ def _validate_episodes(config: Config, fail) -> None:
                 f"rollout.max_turns={r.max_turns} acts only on multi-turn episodes: set rollout.env, or leave it "
                 "at its default",
             )
+        if r.env_options:
+            fail(
+                ("rollout.env_options", "rollout.env"),
+                f"rollout.env_options={r.env_options} configure a multi-turn environment: set rollout.env, or remove "
+                "them",
+            )
         return
     if r.streaming:
         fail(

@@ -36,15 +36,20 @@ def check_reward(config: Config) -> None:
 
 
 def check_environment(config: Config) -> None:
-    """``rollout.env`` names a registered environment or an importable ``module:Class``."""
+    """``rollout.env`` names a registered environment or an importable ``module:Class``,
+    which ``rollout.env_options`` build."""
     if config.rollout.env is None:
         return
-    from dapo_megatron.sampling.environments import resolve_environment
+    from dapo_megatron.sampling.environments import make_environment, resolve_environment
 
     try:
         resolve_environment(config.rollout.env)
     except ValueError as exc:
         raise _fail(config, "rollout.env", str(exc)) from None
+    try:
+        make_environment(config.rollout.env, config.rollout.env_options)
+    except ValueError as exc:
+        raise _fail(config, "rollout.env_options", str(exc)) from None
 
 
 def _demo_hint(path: str) -> str:

@@ -22,6 +22,7 @@ the tokens it holds, so a row's turns never share a seed and a replay samples th
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -30,7 +31,7 @@ from dapo_megatron.data import Prompt
 from dapo_megatron.rollout.engine import Generation, SamplingParams
 from dapo_megatron.rollout.seeds import continuation_seed, sampling_seeds
 from dapo_megatron.sampling.environments.base import Environment, Episode, Observation
-from dapo_megatron.sampling.environments.registry import resolve_environment
+from dapo_megatron.sampling.environments.registry import make_environment
 
 Generate = Callable[[list[list[int]], SamplingParams], list[Generation]]
 """An engine's generation of one response per row (``RolloutWorkers.generate`` with n 1)."""
@@ -46,11 +47,11 @@ class EpisodeRules:
 
 
 def episode_rules(rollout: RolloutConfig) -> Optional[EpisodeRules]:
-    """``rollout.env``'s environment and ``rollout.max_turns``; None for single-turn
-    responses (``env`` unset)."""
+    """``rollout.env``'s environment (built with ``rollout.env_options``) and
+    ``rollout.max_turns``; None for single-turn responses (``env`` unset)."""
     if rollout.env is None:
         return None
-    return EpisodeRules(resolve_environment(rollout.env)(), rollout.max_turns)
+    return EpisodeRules(make_environment(rollout.env, rollout.env_options), rollout.max_turns)
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ def run_episodes(
                 max_new_tokens=max(budgets),
             )
             contexts = [list(prompts[t.prompt_index].token_ids) + t.token_ids for t in turn]
+            asked: list[tuple[int, list[int], str]] = []
             for row, budget, generation in zip(active, budgets, generate(contexts, request)):
                 if len(generation.token_ids) > budget:
                     generation = replace(
@@ -182,7 +184,12 @@ def run_episodes(
                         log_probs=generation.log_probs[:budget],
                         finish_reason="length",
                     )
-                _take_turn(trajectories[row], episodes[row], generation, tokenizer, stop, max_turns, max_tokens)
+                text = _append_turn(trajectories[row], generation, tokenizer)
+                if text is not None:
+                    asked.append((row, list(generation.token_ids), text))
+            observations = _answers(environment, [(episodes[row], ids, text) for row, ids, text in asked])
+            for (row, _, text), observation in zip(asked, observations):
+                _take_observation(trajectories[row], observation, text, tokenizer, stop, max_turns, max_tokens)
             for row in active:
                 if trajectories[row].finish_reason is not None:
                     episode, episodes[row] = episodes[row], None
@@ -195,19 +202,9 @@ def run_episodes(
     return trajectories
 
 
-def _take_turn(
-    trajectory: Trajectory,
-    episode: Episode,
-    generation: Generation,
-    tokenizer,
-    stop_strings: tuple[str, ...],
-    max_turns: int,
-    max_tokens: int,
-) -> None:
-    """Append one model turn and, unless the episode ends, the observation that answers it.
-    A turn that stopped on a token (end of sequence) ends the episode whatever the
-    environment answers; one that stopped on a stop string (the engine stops at the first)
-    is a tool call the observation answers."""
+def _append_turn(trajectory: Trajectory, generation: Generation, tokenizer) -> Optional[str]:
+    """Append one model turn; its text when the episode answers it, None when the turn
+    ended the episode (the engine gave up, or the budget ran out mid-turn)."""
     ids = list(generation.token_ids)
     trajectory.token_ids += ids
     trajectory.log_probs += list(generation.log_probs)
@@ -217,11 +214,33 @@ def _take_turn(
         trajectory.weight_version = generation.weight_version
     if tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) != ids:
         trajectory.retokenized_differs += 1
-    if generation.finish_reason in ("abort", "length"):  # the engine gave up, or the budget ran out mid-turn
+    if generation.finish_reason in ("abort", "length"):
         trajectory.finish_reason = generation.finish_reason
-        return
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    observation = episode.step(ids, text)
+        return None
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _answers(environment: Environment, asked: list[tuple[Episode, list[int], str]]) -> list[Observation]:
+    """Each episode's answer to its turn, ``environment.concurrent_steps`` at once."""
+    if environment.concurrent_steps <= 1 or len(asked) <= 1:
+        return [episode.step(ids, text) for episode, ids, text in asked]
+    with ThreadPoolExecutor(min(environment.concurrent_steps, len(asked)), thread_name_prefix="episode") as pool:
+        return list(pool.map(lambda call: call[0].step(call[1], call[2]), asked))
+
+
+def _take_observation(
+    trajectory: Trajectory,
+    observation: Observation,
+    text: str,
+    tokenizer,
+    stop_strings: tuple[str, ...],
+    max_turns: int,
+    max_tokens: int,
+) -> None:
+    """Count the episode's answer to a turn of ``text`` and, unless the episode ends,
+    append it. A turn that stopped on a token (end of sequence) ends the episode whatever
+    the environment answers; one that stopped on a stop string (the engine stops at the
+    first) is a tool call the observation answers."""
     trajectory.tool_calls += observation.tool_calls
     trajectory.tool_errors += observation.tool_errors
     trajectory.tool_timeouts += observation.tool_timeouts

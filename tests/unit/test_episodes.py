@@ -251,7 +251,9 @@ def test_the_calculator_evaluates_integer_arithmetic_only():
 def test_environments_are_named_or_given_as_module_and_class():
     assert resolve_environment("calculator") is CalculatorEnvironment
     assert resolve_environment("tests.unit.test_episodes:_Bracket") is _Bracket
-    with pytest.raises(ValueError, match="unknown environment 'abacus'; registered: calculator, or name your own"):
+    with pytest.raises(
+        ValueError, match="unknown environment .abacus.; registered: calculator, python, or name your own"
+    ):
         resolve_environment("abacus")
     with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
         resolve_environment("no_such_module:Env")

@@ -63,7 +63,16 @@ def test_an_unknown_reward_is_refused_before_anything_starts(demo_files, capsys,
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["rollout.env=abacus"], "rollout.env: unknown environment 'abacus'; registered: calculator, or name your own"),
+        (["rollout.env=abacus"], "rollout.env: unknown environment 'abacus'; registered: calculator, python, or name"),
+        (["rollout.env_options={timeout_s: 3}"], "rollout.env_options={'timeout_s': 3} configure a multi-turn"),
+        (
+            ["rollout.env=python", "rollout.env_options={timeout: 3}"],
+            "rollout.env_options: environment 'python' takes no option 'timeout'; its options: timeout_s",
+        ),
+        (
+            ["rollout.env=python", "rollout.env_options={memory_mb: 8}"],
+            "environment 'python' with options {'memory_mb': 8}: memory_mb=8 must be a number of at least 64",
+        ),
         (["rollout.env=calculator", "rollout.streaming=true"], "generated in rounds (not yet streamed)"),
         (["rollout.max_turns=3"], "rollout.max_turns=3 acts only on multi-turn episodes: set rollout.env"),
         (["rollout.env=calculator", "rollout.max_turns=0"], "rollout.max_turns=0 must be >= 1"),
@@ -79,6 +88,10 @@ def test_a_cpu_run_with_an_environment_passes_the_checks(demo_files, capsys):
     _, path = demo_files
     assert main(["config", str(path), "rollout.env=calculator", "rollout.max_turns=4"]) == 0
     assert "env: calculator" in capsys.readouterr().out
+    assert (
+        main(["config", str(path), "rollout.env=python", "rollout.env_options={timeout_s: 2.5, memory_mb: 512}"]) == 0
+    )
+    assert "env_options:\n    timeout_s: 2.5\n    memory_mb: 512\n" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["config", "train"])

@@ -73,7 +73,23 @@ class Environment(abc.ABC):
     stop_strings: tuple[str, ...] = ()
     """Text that ends a model turn besides the end-of-sequence token (a tool call's closing
     tag): the engine stops right after it, and the episode answers."""
+    concurrent_steps: int = 1
+    """How many episodes may answer their turns at once, each in a thread of its own (a
+    tool that waits on a process, as ``python`` does); 1: one after another. An episode
+    is never called from two threads at once."""
 
     @abc.abstractmethod
     def start(self, prompt: Prompt) -> Episode:
         """A new episode answering ``prompt``."""
+
+
+def tagged_call(turn_text: str, opening: str, closing: str) -> Optional[str]:
+    """What a turn's call holds between ``opening`` and ``closing`` (``<calc>`` and
+    ``</calc>``, say), or None without one. A turn that holds ``closing`` ended there (the
+    engine stops at the first, with the token that completes it, which may carry a
+    character or two more): the call is what follows the last ``opening`` before it."""
+    end = turn_text.find(closing)
+    start = turn_text.rfind(opening, 0, max(end, 0))
+    if end < 0 or start < 0:
+        return None
+    return turn_text[start + len(opening) : end]

@@ -17,7 +17,7 @@ import operator
 from typing import Optional
 
 from dapo_megatron.data import Prompt
-from dapo_megatron.sampling.environments.base import Environment, Episode, Observation
+from dapo_megatron.sampling.environments.base import Environment, Episode, Observation, tagged_call
 
 MAX_EXPRESSION_CHARS = 200
 MAX_DIGITS = 30
@@ -68,15 +68,8 @@ def _bounded(value: int) -> int:
 
 
 def called_expression(turn_text: str) -> Optional[str]:
-    """The expression of the turn's call, or None without one. A turn that holds
-    ``</calc>`` ended there (the engine stops at the first, with the token that completes
-    it, which may carry a character or two more): the call is what follows the last
-    ``<calc>`` before it."""
-    end = turn_text.find("</calc>")
-    start = turn_text.rfind("<calc>", 0, max(end, 0))
-    if end < 0 or start < 0:
-        return None
-    return turn_text[start + len("<calc>") : end]
+    """The expression of the turn's call, or None without one (see :func:`tagged_call`)."""
+    return tagged_call(turn_text, "<calc>", "</calc>")
 
 
 class CalculatorEpisode(Episode):

@@ -1,14 +1,21 @@
 """``rollout.env``'s names: the built-in environments, or ``module:Class`` for a user's
-own (a subclass of :class:`~dapo_megatron.sampling.environments.base.Environment` that
-takes no arguments), resolved before anything starts, as ``reward_fn`` is."""
+own (a subclass of :class:`~dapo_megatron.sampling.environments.base.Environment` whose
+keyword arguments, if any, come from ``rollout.env_options``), resolved and built before
+anything starts, as ``reward_fn`` is."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Mapping
+from typing import Any
 
 from dapo_megatron.sampling.environments.base import Environment
 
-BUILT_IN = {"calculator": "dapo_megatron.sampling.environments.calculator:CalculatorEnvironment"}
+BUILT_IN = {
+    "calculator": "dapo_megatron.sampling.environments.calculator:CalculatorEnvironment",
+    "python": "dapo_megatron.sampling.environments.python_tool:PythonEnvironment",
+}
 
 
 def available_environments() -> list[str]:
@@ -44,3 +51,22 @@ def resolve_environment(name: str) -> type[Environment]:
             "one would end every turn after one token"
         )
     return found
+
+
+def make_environment(name: str, options: Mapping[str, Any]) -> Environment:
+    """The environment ``name`` built with ``options`` as keyword arguments; ValueError
+    naming an option it does not take (and those it does) or a value it refuses."""
+    cls = resolve_environment(name)
+    parameters = inspect.signature(cls).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    known = [n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(options) - set(known))
+    if unknown and not takes_any:
+        raise ValueError(
+            f"environment {name!r} takes no option {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(known) or 'none'}"
+        )
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"environment {name!r} with options {dict(options)}: {exc}") from None
