@@ -53,13 +53,14 @@ CARRY_SAMPLES = 32
 """Samples per carry problem (temperature 1) for the base model's report."""
 
 
-def build_tokenizer(out: Path):
-    """The demo's tokenizer, saved to ``out`` and returned."""
+def build_tokenizer(out: Path, vocab: list[str] = VOCAB, pattern: str = r"Answer: |\d|\+|=|\n"):
+    """The demo's tokenizer (one token per item of ``vocab``, text split by the regular
+    expression ``pattern``), saved to ``out`` and returned."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel({token: i for i, token in enumerate(VOCAB)}, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"Answer: |\d|\+|=|\n"), behavior="isolated")
+    core = Tokenizer(models.WordLevel({token: i for i, token in enumerate(vocab)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>")
     tokenizer.save_pretrained(out)
@@ -85,21 +86,9 @@ def write_task(data_dir: Path) -> None:
 def warm_up(out: Path, tokenizer, model_config: Path = MODEL_CONFIG):
     """The supervised warm-up of a model of architecture ``model_config`` (any family
     transformers knows); saves the model to ``out`` and returns it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     torch.manual_seed(RECIPE["seed"])
     rng = random.Random(RECIPE["seed"])
-    config = AutoConfig.for_model(**json.loads(model_config.read_text()))
-    if (config.vocab_size, config.eos_token_id, config.pad_token_id) != (
-        len(VOCAB),
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    ):
-        raise SystemExit(f"{model_config} disagrees with the demo tokenizer (vocabulary, EOS or PAD id)")
-    model = AutoModelForCausalLM.from_config(config)
-    steps, warmup = RECIPE["sft_steps"], RECIPE["sft_warmup_steps"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE["sft_lr"])
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) * (1 - i / steps))
+    model = new_model(model_config, tokenizer, len(VOCAB))
 
     # Each of the 100 prompts and 19 answers tokenised once (64,000 examples ask for them).
     prompts = {
@@ -110,21 +99,52 @@ def warm_up(out: Path, tokenizer, model_config: Path = MODEL_CONFIG):
         for answer in range(19)
     ]
 
-    def example(a: int, b: int) -> tuple[list[int], list[int]]:
+    def example() -> tuple[list[int], list[int], list[int]]:
+        a, b = rng.randrange(10), rng.randrange(10)
         carried = a + b >= 10 and rng.random() < RECIPE["carry_share"]
-        return prompts[(a, b)], responses[a + b if carried else (a + b) % 10]
+        response = responses[a + b if carried else (a + b) % 10]
+        return prompts[(a, b)], response, response
 
+    supervise(model, example, RECIPE, tokenizer.pad_token_id)
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+def new_model(model_config: Path, tokenizer, vocab_size: int):
+    """A freshly initialised model of architecture ``model_config``, checked against the
+    tokenizer (vocabulary size, EOS and PAD ids)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**json.loads(model_config.read_text()))
+    if (config.vocab_size, config.eos_token_id, config.pad_token_id) != (
+        vocab_size,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    ):
+        raise SystemExit(f"{model_config} disagrees with the demo tokenizer (vocabulary, EOS or PAD id)")
+    return AutoModelForCausalLM.from_config(config)
+
+
+def supervise(model, example, recipe: dict, pad_id: int) -> None:
+    """``recipe["sft_steps"]`` steps of supervised learning on batches of
+    ``recipe["sft_batch"]`` examples, each ``example()``: prompt ids, response ids, and the
+    response's labels (-100 where a token is not learned). AdamW at ``recipe["sft_lr"]``,
+    a linear warm-up over ``recipe["sft_warmup_steps"]`` and a linear decay to 0; the model
+    is left in eval mode."""
+    steps, warmup = recipe["sft_steps"], recipe["sft_warmup_steps"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["sft_lr"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) * (1 - i / steps))
     model.train()
     for _ in range(steps):
-        batch = [example(rng.randrange(10), rng.randrange(10)) for _ in range(RECIPE["sft_batch"])]
-        width = max(len(p) + len(r) for p, r in batch)
-        input_ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        batch = [example() for _ in range(recipe["sft_batch"])]
+        width = max(len(p) + len(r) for p, r, _ in batch)
+        input_ids = torch.full((len(batch), width), pad_id)
         labels = torch.full((len(batch), width), -100)  # learn the response only
         attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, (prompt, response) in enumerate(batch):
+        for row, (prompt, response, learned) in enumerate(batch):
             end = len(prompt) + len(response)
             input_ids[row, :end] = torch.tensor(prompt + response)
-            labels[row, len(prompt) : end] = torch.tensor(response)
+            labels[row, len(prompt) : end] = torch.tensor(learned)
             attention_mask[row, :end] = 1
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         optimizer.zero_grad()
@@ -132,8 +152,6 @@ def warm_up(out: Path, tokenizer, model_config: Path = MODEL_CONFIG):
         optimizer.step()
         schedule.step()
     model.eval()
-    model.save_pretrained(out, safe_serialization=True)
-    return model
 
 
 def describe(model, tokenizer) -> dict:

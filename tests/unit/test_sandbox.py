@@ -5,8 +5,11 @@ forever) is refused or cut within its bound, and the episode goes on; tool-integ
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -101,8 +104,10 @@ def test_writing_is_confined_to_the_calls_own_folder(tmp_path):
         assert "PermissionError: sandbox:" in run_python(code, QUICK).output
     inside = run_python("open('notes.txt', 'w').write('kept')\nopen('notes.txt').read()", QUICK)
     assert inside.ok and inside.output == "'kept'\n"
-    # Each call has a folder of its own, removed afterwards.
-    assert run_python("import os\nsorted(os.listdir('.'))", QUICK).output == "['.isolation', '.output', 'code.py']\n"
+    # Each call has a folder of its own, removed afterwards: an empty tmpfs where the call
+    # has mounts of its own, else the folder its code was written to.
+    listing = run_python("import os\nsorted(os.listdir('.'))", QUICK)
+    assert listing.output == ("[]\n" if listing.other_user else "['code.py']\n")
 
 
 @pytest.mark.parametrize("code", ["import time\ntime.sleep(10**9)", "while True:\n    pass"], ids=["sleep", "spin"])
@@ -141,3 +146,65 @@ def test_blocks_are_read_from_the_turn_and_options_are_checked():
         make_environment("python", {"timeout": 3})
     with pytest.raises(ValueError, match="memory_mb=8 must be a number of at least 64"):
         make_environment("python", {"memory_mb": 8})
+
+
+SWITCH_THE_HOOK_OFF = """
+import _thread
+try:
+    open('/etc/hostname')
+except PermissionError as refused:
+    frame = refused.__traceback__
+    while frame.tb_next:
+        frame = frame.tb_next
+    frame.tb_frame.f_locals['busy'].add(_thread.get_ident())
+print(open('/etc/hostname').read() != '')
+"""
+"""Code written to defeat the audit hook: it finds the hook's frame in a refusal's
+traceback and marks its own thread as being checked already, so the hook lets it pass."""
+
+
+def test_the_kernels_layers_hold_when_the_audit_hook_is_switched_off(tmp_path):
+    probe = run_python(SWITCH_THE_HOOK_OFF, QUICK)
+    assert probe.ok and probe.output == "True\n"  # the hook is off: /etc/hostname was read
+    if not probe.other_user:
+        pytest.skip(
+            "this machine gives the sandbox no namespaces of its own (it needs root with CAP_SYS_ADMIN): "
+            "only the audit hook and the resource limits stand"
+        )
+    token = tmp_path / "auth_token"
+    write_token(token)
+    outside = Path(tempfile.gettempdir()) / f"dapo-sandbox-escape-{os.getpid()}.txt"  # a folder anyone may write
+    cases = {
+        f"open({str(token)!r}).read()": "PermissionError: [Errno 13] Permission denied",
+        f"open({str(outside)!r}, 'w')": "OSError: [Errno 30] Read-only file system",
+        f"import os\nos.kill({os.getpid()}, 9)": "ProcessLookupError",  # the trainer is not even visible
+        "import socket\nsocket.socket().connect(('127.0.0.1', 22))": "OSError: [Errno 101] Network is unreachable",
+        "import os\nos.mknod('zero', 0o20666, os.makedev(1, 5))": "PermissionError: [Errno 1] Operation not permitted",
+        "open('big', 'wb').write(bytes(2**20 - 1))\nopen('big2', 'wb').write(bytes(2**20 - 1))": "No space left",
+    }
+    limits = SandboxLimits(wall_seconds=3, cpu_seconds=2, folder_bytes=3 << 19, file_bytes=1 << 20)
+    for code, refusal in cases.items():
+        run = run_python(SWITCH_THE_HOOK_OFF + code, limits)
+        assert run.exit_code == 1 and refusal in run.output, (code, run.output)
+    assert not outside.exists()
+    # A process started behind the hook's back, in a session of its own, ends with the call.
+    escaped = run_python(
+        SWITCH_THE_HOOK_OFF + "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1000)\n", limits
+    )
+    assert escaped.ok
+    time.sleep(0.2)
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _uid_of(pid) == probe_uid()]
+    assert left == []
+
+
+def probe_uid() -> int:
+    import pwd
+
+    return pwd.getpwnam("nobody").pw_uid
+
+
+def _uid_of(pid: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
