@@ -11,7 +11,7 @@ SGLANG_WHEEL_DIR := $(VENV)/sglang-wheel
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dapo-installed
 
-.PHONY: test test-gpu lint install clean demo demo-moe
+.PHONY: test test-gpu lint install clean demo demo-moe demo-tools
 
 test: $(STAMP)
 	$(PY) -m ruff check dapo_megatron tests benchmarks tools examples
@@ -42,6 +42,16 @@ DEMO_MOE_RUN ?= runs/demo_moe/run-$(shell date +%Y%m%d-%H%M%S)
 demo-moe: $(STAMP)
 	$(PY) examples/demo/prepare.py runs/demo_moe --model-config examples/demo/model_config_moe.json
 	$(VENV)/bin/dapo-megatron train examples/demo/demo_moe.yaml trainer.output_dir=$(DEMO_MOE_RUN)
+
+# Multi-turn: a tiny Qwen2 learns to call a calculator for three-digit multiplication
+# (rollout.env=calculator), then the same training without the tool (rollout.env=null;
+# no sample is ever right, so dynamic sampling, which would stop at once, is off).
+DEMO_TOOLS_RUN ?= runs/demo_tools/run-$(shell date +%Y%m%d-%H%M%S)
+demo-tools: $(STAMP)
+	$(PY) examples/demo/prepare_tools.py runs/demo_tools
+	$(VENV)/bin/dapo-megatron train examples/demo/demo_tools.yaml trainer.output_dir=$(DEMO_TOOLS_RUN)
+	$(VENV)/bin/dapo-megatron train examples/demo/demo_tools.yaml trainer.output_dir=$(DEMO_TOOLS_RUN)-without-tool \
+		rollout.env=null algorithm.dynamic_sampling=false
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -141,6 +141,6 @@ def test_a_renamed_option_or_key_is_caught(monkeypatch):
     with pytest.raises(Exception, match="parallel.tensor_size"):
         check_command("dapo-megatron plan examples/qwen2_5_32b/dapo.yaml parallel.tensor_size=8", monkeypatch)
     with pytest.raises(AssertionError, match="no make target"):
-        check_command("make demo-tools", monkeypatch)
+        check_command("make demo-agents", monkeypatch)
     with pytest.raises(SystemExit):
         check_command(".venv/bin/python benchmarks/bench_packing.py --repetitions 5", monkeypatch)
