@@ -129,8 +129,8 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     ("family", "tp_size", "pp_size", "dp_size", "weighted", "kl_type", "ep_size", "mlp_only_layers", "observed"),
     [
-        ("qwen2", 2, 2, 1, False, None, 1, (), False),
-        ("qwen2", 1, 2, 2, False, None, 1, (), False),
+        ("qwen2", 2, 2, 1, False, None, 1, (), True),
+        ("qwen2", 1, 2, 2, False, None, 1, (), True),
         ("qwen2", 2, 1, 2, True, None, 1, (), False),
         ("qwen2", 1, 2, 2, False, "k3", 1, (), False),
         ("qwen2", 2, 1, 2, False, "k1", 1, (), False),
@@ -141,8 +141,8 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
         ("qwen3_moe", 1, 2, 2, False, None, 2, (1,), False),
     ],
     ids=[
-        "tp2-pp2",
-        "pp2-dp2",
+        "tp2-pp2-observations",
+        "pp2-dp2-observations",
         "tp2-dp2-rollout-correction",
         "pp2-dp2-kl-k3",
         "tp2-dp2-kl-k1",
