@@ -15,7 +15,7 @@ import yaml
 from dapo_megatron import cli
 from dapo_megatron.config import config_from_dict
 from dapo_megatron.run.trainer import train
-from tests.e2e.conftest import ONE_RANK, assert_loopback_only, joined, listening_sockets, run_config
+from tests.e2e.conftest import ONE_RANK, assert_loopback_only, joined, listening_sockets, run_config, step_metrics
 
 # Everything the issue lists under "Metrics", as logged every step.
 STEP_METRICS = [
@@ -188,21 +188,28 @@ def test_dynamic_sampling_that_keeps_nothing_fails_naming_the_knobs(tiny_model, 
 @pytest.mark.timeout(600)
 def test_multi_turn_episodes_train_through_the_whole_system(tiny_model, tmp_path, shared_ray):
     """``rollout.env``: every response an episode of model turns and tool observations
-    (``tests/e2e/environments.py``) on the transformers engine, two steps trained on the
+    (``tests/e2e/environments.py``) on the transformers engine, three steps trained on the
     model's tokens, each step's batch generated ahead during the previous one; the step's
-    episode metrics logged and consistent; the checkpoint's batch ahead keeps its masks."""
+    episode metrics logged and consistent; the checkpoint's batch ahead keeps its masks,
+    and a run resumed from it (in another folder) trains step 3 to the uninterrupted
+    run's metrics, bit for bit."""
     from dapo_megatron.run.resume import GENERATED_AHEAD
     from dapo_megatron.sampling.samples import load_samples
 
+    def multi_turn(run_dir: Path, **overrides) -> dict:
+        raw = run_config(tiny_model, run_dir, **{"trainer.val_every": 0, "trainer.num_steps": 3, **ONE_RANK})
+        raw["rollout"].update(env="tests.e2e.environments:PlusCalls", max_turns=3, max_response_length=12)
+        raw["trainer"].update(val_before_train=False, async_generation=True)
+        raw["checkpoint"].update(overrides)
+        return joined(raw, shared_ray)
+
     run_dir = tmp_path / "run"
-    raw = run_config(tiny_model, run_dir, **{"trainer.val_every": 0, **ONE_RANK})
-    raw["rollout"].update(env="tests.e2e.environments:PlusCalls", max_turns=3, max_response_length=12)
-    raw["trainer"].update(val_before_train=False, async_generation=True)
-    assert train(config_from_dict(joined(raw, shared_ray), "e2e")).steps == 2
+    assert train(config_from_dict(multi_turn(run_dir), "e2e")).steps == 3
     ahead, _ = load_samples(run_dir / "checkpoints" / "step_00000002" / GENERATED_AHEAD)
     assert all(s.model_mask is not None and len(s.model_mask) == len(s.response_ids) for s in ahead)
+    assert any(0 in s.model_mask for s in ahead)  # the batch ahead holds observations
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2]
+    assert [s["step"] for s in steps] == [1, 2, 3]
     for step in steps:
         assert all(math.isfinite(v) for v in step.values() if isinstance(v, float)), step
         assert 1 <= step["episode/turns_mean"] <= 3
@@ -211,3 +218,8 @@ def test_multi_turn_episodes_train_through_the_whole_system(tiny_model, tmp_path
         assert step["episode/observation_tokens"] <= 2 * step["episode/tool_calls"]
         assert 0 <= step["episode/masked_token_share"] < 1
     assert sum(s["episode/tool_calls"] for s in steps) > 0 and sum(s["episode/observation_tokens"] for s in steps) > 0
+
+    resumed = tmp_path / "resumed"
+    config = config_from_dict(multi_turn(resumed, load_dir=str(run_dir / "checkpoints" / "step_00000002")), "e2e")
+    train(config, resume=True)
+    assert step_metrics(resumed) == {3: step_metrics(run_dir)[3]}
