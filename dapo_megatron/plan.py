@@ -870,6 +870,17 @@ def network_plan(config: Config) -> str:
     return f"network: listens on {where}, never 0.0.0.0, on ports picked free at start: " + "; ".join(opened) + note
 
 
+def _episodes_line(rollout) -> str:
+    """What ``plan`` says of multi-turn episodes (``rollout.env``)."""
+    from dapo_megatron.sampling.environments import make_environment
+
+    cost = make_environment(rollout.env, rollout.env_options).describe()
+    return (
+        f"episodes: rollout.env={rollout.env}, at most {rollout.max_turns} model turns in "
+        f"{rollout.max_response_length} tokens after the prompt" + (f"; {cost}" if cost else "")
+    )
+
+
 def format_plan(plan: Plan) -> str:
     """The table ``dapo-megatron plan`` prints."""
     c, mem, host = plan.config, plan.memory, plan.host
@@ -901,6 +912,7 @@ def format_plan(plan: Plan) -> str:
         f"layers per stage {plan.layer_split}; sequence_parallel={p.sequence_parallel}; "
         f"recompute={c.model.recompute_activations}{expert_layout}",
         f"rollout: {engines}",
+        *([_episodes_line(c.rollout)] if c.rollout.env is not None else []),
         f"{where} ({mem.parameters:,} parameters):",
         row(f"weights ({dtype})", mem.weights),
         *([row(f"KL reference policy ({dtype}, frozen)", mem.reference)] if mem.reference else []),

@@ -303,6 +303,10 @@ class DataConfig:
     """Column holding the prompt (chat messages or text)."""
     answer_key: str = "reward_model.ground_truth"
     """Column holding the reference answer (dotted for nested fields)."""
+    system_prompt: Optional[str] = None
+    """A system message put before every prompt's messages, training and validation (a
+    row whose first message is a system message keeps its own): the instructions of a
+    tool-using recipe, say. Unset: the rows as they are."""
     train_batch_size: int = 512
     """Prompts per rollout step that survive dynamic sampling."""
     gen_batch_size: Optional[int] = None

@@ -173,6 +173,8 @@ class PromptDataset:
                             f"found columns {sorted(row)}"
                         ) from None
                 messages = _messages(values["prompt_key"], f"{where}: column {data.prompt_key!r}")
+                if data.system_prompt is not None and messages[0]["role"] != "system":
+                    messages = [{"role": "system", "content": data.system_prompt}, *messages]
                 answer = values["answer_key"]
                 if answer is None or isinstance(answer, (dict, list)) or not str(answer).strip():
                     raise DataError(

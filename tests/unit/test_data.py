@@ -45,6 +45,26 @@ def test_parquet_and_jsonl_give_the_same_prompts(tmp_path):
     assert a.prompts[3].text == "3+1=" and a.prompts[3].ground_truth == "4" and a.prompts[3].prompt_id == 3
 
 
+def test_a_system_prompt_goes_before_every_prompt_unless_the_row_has_its_own(tmp_path):
+    from tests.unit.test_hf_engine import real_qwen_tokenizer
+
+    own = {
+        **row("2+2=", "4"),
+        "prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2="}],
+    }
+    path = write_jsonl(tmp_path / "p.jsonl", [row("1+1=", "2"), own])
+    data = DataConfig(system_prompt="Use <code> blocks.")
+    plain = PromptDataset([path], CharTokenizer(), data, 100)  # no chat template: one line per message
+    assert [p.text for p in plain.prompts] == ["Use <code> blocks.\n1+1=", "Be terse.\n2+2="]
+    tokenizer = real_qwen_tokenizer()
+    templated = PromptDataset([path], tokenizer, data, 100)
+    assert templated.prompts[0].text.startswith(
+        "<|im_start|>system\nUse <code> blocks.<|im_end|>\n<|im_start|>user\n1+1="
+    )
+    assert "Use <code>" not in templated.prompts[1].text
+    assert "Use <code>" not in PromptDataset([path], tokenizer, DataConfig(), 100).prompts[0].text
+
+
 @pytest.mark.parametrize(
     ("bad", "message"),
     [

@@ -146,6 +146,8 @@ def test_blocks_are_read_from_the_turn_and_options_are_checked():
         make_environment("python", {"timeout": 3})
     with pytest.raises(ValueError, match="memory_mb=8 must be a number of at least 64"):
         make_environment("python", {"memory_mb": 8})
+    assert make_environment("python", {}).concurrent_steps == 4
+    assert make_environment("python", {"workers": 16}).concurrent_steps == 16
 
 
 SWITCH_THE_HOOK_OFF = """

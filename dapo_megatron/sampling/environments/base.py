@@ -82,6 +82,11 @@ class Environment(abc.ABC):
     def start(self, prompt: Prompt) -> Episode:
         """A new episode answering ``prompt``."""
 
+    def describe(self) -> str:
+        """What ``dapo-megatron plan`` says of the environment's cost (its processes,
+        memory, time); empty when there is nothing to say."""
+        return ""
+
 
 def tagged_call(turn_text: str, opening: str, closing: str) -> Optional[str]:
     """What a turn's call holds between ``opening`` and ``closing`` (``<calc>`` and

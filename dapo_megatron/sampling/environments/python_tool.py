@@ -76,22 +76,29 @@ class PythonEnvironment(Environment):
     ``rollout.env_options``."""
 
     stop_strings = ("</code>",)
-    concurrent_steps = 4
 
     def __init__(
-        self, timeout_s: float = 10.0, memory_mb: int = 1024, output_chars: int = 1000, file_mb: int = 1
+        self,
+        timeout_s: float = 10.0,
+        memory_mb: int = 1024,
+        output_chars: int = 1000,
+        file_mb: int = 1,
+        workers: int = 4,
     ) -> None:
         """``timeout_s``: wall-clock and CPU time of a block; ``memory_mb``: its address
         space; ``output_chars``: what of its output the model reads; ``file_mb``: the
-        largest file (its output included) it may write."""
+        largest file (its output included) it may write; ``workers``: blocks run at once
+        (each a process; on the machine that runs the trainer's sampler)."""
         for name, value, least in (
             ("timeout_s", timeout_s, 0.1),
             ("memory_mb", memory_mb, 64),
             ("output_chars", output_chars, 1),
             ("file_mb", file_mb, 1),
+            ("workers", workers, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < least:
                 raise ValueError(f"{name}={value!r} must be a number of at least {least}")
+        self.concurrent_steps = int(workers)
         self.limits = SandboxLimits(
             wall_seconds=float(timeout_s),
             cpu_seconds=max(1, int(-(-timeout_s // 1))),
@@ -102,3 +109,11 @@ class PythonEnvironment(Environment):
 
     def start(self, prompt: Prompt) -> Episode:
         return PythonEpisode(self.limits)
+
+    def describe(self) -> str:
+        limits = self.limits
+        return (
+            f"each block a sandboxed process of at most {limits.memory_bytes / 2**30:g} GiB of address space and "
+            f"{limits.wall_seconds:g} s; {self.concurrent_steps} at once on the node that runs the trainer: up to "
+            f"{self.concurrent_steps * limits.memory_bytes / 2**30:g} GiB and {self.concurrent_steps} CPU cores there"
+        )
