@@ -207,7 +207,7 @@ class _Bench:
         rounds = iter(range(1_000_000))
         seconds: list[float] = []  # of the generation alone, not the scoring
         last: dict = {}
-        episodes = episode_rules(r)
+        episodes = episode_rules(r, self.tokenizer)
 
         def one() -> None:
             round_index = next(rounds)

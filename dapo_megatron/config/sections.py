@@ -187,6 +187,12 @@ class RolloutConfig:
     """Multi-turn (``env``): keyword arguments of the environment's class, checked by the
     run's pre-flight (``python``: ``timeout_s``, ``memory_mb``, ``output_chars``,
     ``file_mb``; docs/environments.md)."""
+    observation_format: Literal["inline", "chat"] = "inline"
+    """Multi-turn (``env``): ``inline``, an observation's text right after the model's turn,
+    as the environment wrote it (a tool's output inside the assistant's message, as ReTool
+    trains); ``chat``, the turn closed as an assistant message and the observation a
+    ``tool`` message of the tokenizer's chat template, the next assistant message opened
+    after it (docs/environments.md). Either way tokenised once, out of the loss."""
     max_turns: int = 8
     """Multi-turn (``env``): the most model turns of an episode; one that reaches it ends
     there, counted in ``episode/ended_by_max_turns``."""

@@ -399,6 +399,12 @@ def _validate_episodes(config: Config, fail) -> None:
                 f"rollout.max_turns={r.max_turns} acts only on multi-turn episodes: set rollout.env, or leave it "
                 "at its default",
             )
+        if r.observation_format != RolloutConfig().observation_format:
+            fail(
+                ("rollout.observation_format", "rollout.env"),
+                f"rollout.observation_format={r.observation_format} acts only on multi-turn episodes: set "
+                "rollout.env, or leave it at its default",
+            )
         if r.env_options:
             fail(
                 ("rollout.env_options", "rollout.env"),

@@ -200,7 +200,7 @@ def evaluate_policy(
         config.algorithm,
         tokenizer,
         {},
-        episode_rules(config.rollout),
+        episode_rules(config.rollout, tokenizer),
     )
     return {**validation_metrics(samples, n), "time/validate": time.perf_counter() - start}, samples
 

@@ -39,19 +39,51 @@ Generate = Callable[[list[list[int]], SamplingParams], list[Generation]]
 
 @dataclass(frozen=True)
 class EpisodeRules:
-    """How a run's responses are played as episodes: the environment and the turn bound
-    (the token bound is the responses', ``rollout.max_response_length``)."""
+    """How a run's responses are played as episodes: the environment, the turn bound (the
+    token bound is the responses', ``rollout.max_response_length``) and the text put
+    around every observation (``rollout.observation_format``)."""
 
     environment: Environment
     max_turns: int
+    framing: tuple[str, str] = ("", "")
 
 
-def episode_rules(rollout: RolloutConfig) -> Optional[EpisodeRules]:
-    """``rollout.env``'s environment (built with ``rollout.env_options``) and
-    ``rollout.max_turns``; None for single-turn responses (``env`` unset)."""
+def episode_rules(rollout: RolloutConfig, tokenizer) -> Optional[EpisodeRules]:
+    """``rollout.env``'s environment (built with ``rollout.env_options``),
+    ``rollout.max_turns`` and the observations' framing in ``tokenizer``'s chat template
+    (``rollout.observation_format``); None for single-turn responses (``env`` unset)."""
     if rollout.env is None:
         return None
-    return EpisodeRules(make_environment(rollout.env, rollout.env_options), rollout.max_turns)
+    framing = chat_framing(tokenizer) if rollout.observation_format == "chat" else ("", "")
+    return EpisodeRules(make_environment(rollout.env, rollout.env_options), rollout.max_turns, framing)
+
+
+_TURN, _OBSERVED = "\x00model-turn\x00", "\x00observation\x00"
+
+
+def chat_framing(tokenizer) -> tuple[str, str]:
+    """The text before and after an observation in ``tokenizer``'s chat template: the
+    observation as a ``tool`` message after the model's turn as an ``assistant`` message,
+    and the next assistant message's start (Qwen2.5: ``<|im_end|>\n<|im_start|>user\n
+    <tool_response>\n`` and ``\n</tool_response><|im_end|>\n<|im_start|>assistant\n``).
+    ValueError when the tokenizer has no template or the template has no tool messages."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "rollout.observation_format=chat: the run's tokenizer has no chat template (use 'inline', or a "
+            "tokenizer with one)"
+        )
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN}]
+    try:
+        text = tokenizer.apply_chat_template(
+            [*messages, {"role": "tool", "content": _OBSERVED}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # noqa: BLE001 - templates raise what they like
+        raise ValueError(f"rollout.observation_format=chat: the chat template cannot render a tool message ({exc})")
+    if text.count(_TURN) != 1 or text.count(_OBSERVED) != 1:
+        raise ValueError("rollout.observation_format=chat: the chat template does not show a tool message's content")
+    after_turn = text.split(_TURN, 1)[1]
+    prefix, suffix = after_turn.split(_OBSERVED, 1)
+    return prefix, suffix
 
 
 @dataclass(frozen=True)
@@ -139,11 +171,13 @@ def run_episodes(
     *,
     max_turns: int,
     max_tokens: int,
+    framing: tuple[str, str] = ("", ""),
 ) -> list[Trajectory]:
     """``n`` episodes of each prompt (prompt-major, as engines return responses), played
         to their end (see the module docstring). ``params.row_seeds`` (one per episode) seed
         the rows (without them, :func:`sampling_seeds` of ``params.seed``; unseeded without
-    either); ``params.max_new_tokens`` bounds one turn."""
+    either); ``params.max_new_tokens`` bounds one turn. ``framing``: the text put before
+    and after every observation (:func:`chat_framing`), tokenised with it, out of the loss."""
     if max_turns < 1 or max_tokens < 1:
         raise ValueError(f"max_turns={max_turns} and max_tokens={max_tokens} must be at least 1")
     rows = len(prompts) * n
@@ -189,7 +223,7 @@ def run_episodes(
                     asked.append((row, list(generation.token_ids), text))
             observations = _answers(environment, [(episodes[row], ids, text) for row, ids, text in asked])
             for (row, _, text), observation in zip(asked, observations):
-                _take_observation(trajectories[row], observation, text, tokenizer, stop, max_turns, max_tokens)
+                _take_observation(trajectories[row], observation, text, tokenizer, stop, max_turns, max_tokens, framing)
             for row in active:
                 if trajectories[row].finish_reason is not None:
                     episode, episodes[row] = episodes[row], None
@@ -236,6 +270,7 @@ def _take_observation(
     stop_strings: tuple[str, ...],
     max_turns: int,
     max_tokens: int,
+    framing: tuple[str, str],
 ) -> None:
     """Count the episode's answer to a turn of ``text`` and, unless the episode ends,
     append it. A turn that stopped on a token (end of sequence) ends the episode whatever
@@ -254,11 +289,15 @@ def _take_observation(
     elif trajectory.turns >= max_turns:
         trajectory.finish_reason = "max_turns"
     else:
-        _append_observation(trajectory, observation, tokenizer, max_tokens)
+        _append_observation(trajectory, observation, tokenizer, max_tokens, framing)
 
 
-def _append_observation(trajectory: Trajectory, observation: Observation, tokenizer, max_tokens: int) -> None:
-    """The observation's ids after the turn (cut at ``max_tokens``, which ends the episode)."""
+def _append_observation(
+    trajectory: Trajectory, observation: Observation, tokenizer, max_tokens: int, framing: tuple[str, str]
+) -> None:
+    """The observation's ids after the turn, in its framing (cut at ``max_tokens``, which
+    ends the episode)."""
+    before, after = framing
     if observation.token_ids is not None:
         ids = list(observation.token_ids)
         bad = [token for token in ids if not 0 <= token < len(tokenizer)]
@@ -266,8 +305,11 @@ def _append_observation(trajectory: Trajectory, observation: Observation, tokeni
             raise ValueError(
                 f"the environment's observation holds token ids {bad[:5]} outside the tokenizer's {len(tokenizer)}"
             )
+        if before or after:
+            encode = lambda text: tokenizer.encode(text, add_special_tokens=False) if text else []  # noqa: E731
+            ids = encode(before) + ids + encode(after)
     else:
-        ids = tokenizer.encode(observation.text, add_special_tokens=False)
+        ids = tokenizer.encode(before + observation.text + after, add_special_tokens=False)
     room = max_tokens - len(trajectory.token_ids)
     trajectory.token_ids += ids[:room]
     trajectory.log_probs += [0.0] * len(ids[:room])

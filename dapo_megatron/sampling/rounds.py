@@ -80,6 +80,7 @@ def generate_and_score(
                 tokenizer,
                 max_turns=episodes.max_turns,
                 max_tokens=params.max_new_tokens,
+                framing=episodes.framing,
             )
     if episodes is None:
         samples = samples_from_generations(prompts, generations, round_index, tokenizer)

@@ -38,7 +38,7 @@ class Sampler:
         self.engines, self.rewards, self.loader = engines, rewards, loader
         self.sampling, self.tokenizer = sampling, tokenizer
         self.rollout, self.algorithm, self.data = rollout, algorithm, data
-        self.episodes = episode_rules(rollout)
+        self.episodes = episode_rules(rollout, tokenizer)
         """``rollout.env``'s multi-turn episodes (None: single-turn responses)."""
 
 

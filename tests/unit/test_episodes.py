@@ -223,6 +223,55 @@ def test_decode_then_encode_changes_a_real_tokenizers_turn_and_is_counted():
     assert trajectory.token_ids == sampled and trajectory.retokenized_differs == 1
 
 
+def test_in_the_chat_format_an_observation_is_a_tool_message_of_the_chat_template():
+    """``rollout.observation_format=chat`` on Qwen's template: the model's turn is closed
+    as an assistant message, the observation is a tool message, and the next assistant
+    message is opened, all tokenised once (the template's special tokens as such) and out
+    of the loss; the model's tokens are as sampled."""
+    from dapo_megatron.config import RolloutConfig
+    from dapo_megatron.sampling.episodes import chat_framing, episode_rules
+
+    qwen = real_qwen_tokenizer()
+    before, after = chat_framing(qwen)
+    assert (before, after) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n",
+        "\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    )
+    turns = [qwen.encode("<calc>6*7</calc>", add_special_tokens=False), qwen.encode("42", add_special_tokens=False)]
+    turns[1].append(qwen.convert_tokens_to_ids("<|im_end|>"))
+    answer = list(turns[1])
+
+    def generate(contexts, params):
+        return [Generation(0, turns.pop(0), [-0.25] * 9, "stop")]
+
+    prompt = Prompt(0, tuple(qwen.encode("6*7=")), "42", "test", "6*7=")
+    rules = episode_rules(RolloutConfig(env="calculator", observation_format="chat"), qwen)
+    (trajectory,) = run_episodes(
+        generate,
+        [prompt],
+        1,
+        SamplingParams(),
+        rules.environment,
+        qwen,
+        max_turns=3,
+        max_tokens=80,
+        framing=rules.framing,
+    )
+    observed = qwen.encode(before + "<result>42</result>" + after, add_special_tokens=False)
+    assert (
+        qwen.convert_tokens_to_ids("<|im_end|>") in observed and qwen.convert_tokens_to_ids("<|im_start|>") in observed
+    )
+    first = qwen.encode("<calc>6*7</calc>", add_special_tokens=False)
+    assert trajectory.token_ids[: len(first) + len(observed)] == first + observed
+    assert trajectory.token_ids[len(first) + len(observed) :] == answer
+    assert trajectory.model_mask == [1] * len(first) + [0] * len(observed) + [1] * len(answer)
+    assert qwen.decode(trajectory.token_ids).endswith("<|im_start|>assistant\n42<|im_end|>")
+    # A tokenizer without a chat template cannot frame observations as chat messages.
+    with pytest.raises(ValueError, match="observation_format=chat: the run's tokenizer has no chat template"):
+        episode_rules(RolloutConfig(env="calculator", observation_format="chat"), TOKENIZER)
+    assert episode_rules(RolloutConfig(env="calculator"), TOKENIZER).framing == ("", "")
+
+
 def test_the_calculator_evaluates_integer_arithmetic_only():
     assert evaluate("123 * 456") == 56088 and evaluate("-(7 - 10) // 2 + 9 % 4") == 2
     for expression, why in (

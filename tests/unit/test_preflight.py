@@ -65,6 +65,7 @@ def test_an_unknown_reward_is_refused_before_anything_starts(demo_files, capsys,
     [
         (["rollout.env=abacus"], "rollout.env: unknown environment 'abacus'; registered: calculator, python, or name"),
         (["rollout.env_options={timeout_s: 3}"], "rollout.env_options={'timeout_s': 3} configure a multi-turn"),
+        (["rollout.observation_format=chat"], "rollout.observation_format=chat acts only on multi-turn episodes"),
         (
             ["rollout.env=python", "rollout.env_options={timeout: 3}"],
             "rollout.env_options: environment 'python' takes no option 'timeout'; its options: timeout_s",
