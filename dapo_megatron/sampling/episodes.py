@@ -78,7 +78,9 @@ def chat_framing(tokenizer) -> tuple[str, str]:
             [*messages, {"role": "tool", "content": _OBSERVED}], tokenize=False, add_generation_prompt=True
         )
     except Exception as exc:  # noqa: BLE001 - templates raise what they like
-        raise ValueError(f"rollout.observation_format=chat: the chat template cannot render a tool message ({exc})") from None
+        raise ValueError(
+            f"rollout.observation_format=chat: the chat template cannot render a tool message ({exc})"
+        ) from None
     if text.count(_TURN) != 1 or text.count(_OBSERVED) != 1:
         raise ValueError("rollout.observation_format=chat: the chat template does not show a tool message's content")
     after_turn = text.split(_TURN, 1)[1]
