@@ -181,8 +181,7 @@ class RolloutConfig:
     registered name, ``calculator``, or ``module:Class``; docs/environments.md). The
     model's turns and the environment's observations make one token sequence after the
     prompt, the model's tokens as the engine sampled them; only those are trained, and
-    ``max_response_length`` bounds all of them. Unset: single-turn responses. Generated in
-    rounds (not with ``streaming``)."""
+    ``max_response_length`` bounds all of them. Unset: single-turn responses."""
     env_options: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Multi-turn (``env``): keyword arguments of the environment's class, checked by the
     run's pre-flight (``python``: ``timeout_s``, ``memory_mb``, ``output_chars``,

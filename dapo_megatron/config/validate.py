@@ -412,11 +412,6 @@ def _validate_episodes(config: Config, fail) -> None:
                 "them",
             )
         return
-    if r.streaming:
-        fail(
-            ("rollout.env", "rollout.streaming"),
-            "rollout.env's multi-turn episodes are generated in rounds (not yet streamed): set rollout.streaming=false",
-        )
 
 
 def _validate_batches(config: Config, fail) -> None:

@@ -94,6 +94,10 @@ class StreamRow:
     under newer weights, so one response can hold several)."""
     finish_reason: Optional[str] = None
     """None while it is still generating; then ``stop``, ``length`` or ``abort``."""
+    turn_start: int = 0
+    """Multi-turn episodes: where the model's current turn begins in ``token_ids`` (after
+    the last observation). The request's stop strings are looked for from there on, never
+    in what the environment wrote."""
 
 
 @dataclass

@@ -315,7 +315,8 @@ class HFRolloutEngine(RolloutEngine):
         seed is the first unfinished row's own while it has no tokens yet (so a single
         chunk that covers whole responses samples what :meth:`generate` would), then a
         mix of it and its length; a row whose response reaches ``max_new_tokens`` stops
-        with ``length``."""
+        with ``length``, one whose current turn (from ``turn_start``) holds a stop string
+        stops with ``stop`` after the token that completes it."""
         params = self._stream_params
         active = [(group, row) for group in self._stream for row in group.rows if row.finish_reason is None]
         if active:
@@ -324,13 +325,22 @@ class HFRolloutEngine(RolloutEngine):
             chunk = min(max_tokens, max(params.max_new_tokens - len(row.token_ids) for _, row in active))
             inputs = [group.prompt_ids + row.token_ids for group, row in active]
             stop = {*params.stop_token_ids, *self.eos_token_ids}
+            longest = max((len(text.encode()) for text in params.stop_strings), default=0)
             for (_, row), (ids, log_probs, reason) in zip(active, self._sample(inputs, params, chunk, seed)):
                 room = params.max_new_tokens - len(row.token_ids)
                 ids, log_probs = ids[:room], log_probs[:room]
                 row.token_ids += ids
                 row.log_probs += log_probs
                 row.versions += [version] * len(ids)
-                if reason == "stop" and ids and ids[-1] in stop:  # not cut off before its stop token
+                # A stop string may have begun in an earlier chunk (a token holds at least a
+                # byte of text: it began at most its length in bytes before this chunk).
+                start = max(row.turn_start, len(row.token_ids) - len(ids) - longest)
+                text_end = self._stop_string_end(row.token_ids[start:], params.stop_strings)
+                if text_end is not None:
+                    keep = start + text_end
+                    del row.token_ids[keep:], row.log_probs[keep:], row.versions[keep:]
+                    row.finish_reason = "stop"
+                elif reason == "stop" and ids and ids[-1] in stop:  # not cut off before its stop token
                     row.finish_reason = "stop"
                 elif len(row.token_ids) >= params.max_new_tokens:
                     row.finish_reason = "length"

@@ -134,6 +134,8 @@ class Trajectory:
     """1: a token the model sampled (trained); 0: an observation's (context only)."""
     turns: int = 0
     """Model turns generated."""
+    turn_ends: list[int] = field(default_factory=list)
+    """Where each model turn ends in ``token_ids`` (what a replay of the episode reads)."""
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
@@ -211,7 +213,7 @@ def run_episodes(
                 max_new_tokens=max(budgets),
             )
             contexts = [list(prompts[t.prompt_index].token_ids) + t.token_ids for t in turn]
-            asked: list[tuple[int, list[int], str]] = []
+            played = []
             for row, budget, generation in zip(active, budgets, generate(contexts, request)):
                 if len(generation.token_ids) > budget:
                     generation = replace(
@@ -220,12 +222,8 @@ def run_episodes(
                         log_probs=generation.log_probs[:budget],
                         finish_reason="length",
                     )
-                text = _append_turn(trajectories[row], generation, tokenizer)
-                if text is not None:
-                    asked.append((row, list(generation.token_ids), text))
-            observations = _answers(environment, [(episodes[row], ids, text) for row, ids, text in asked])
-            for (row, _, text), observation in zip(asked, observations):
-                _take_observation(trajectories[row], observation, text, tokenizer, stop, max_turns, max_tokens, framing)
+                played.append((trajectories[row], episodes[row], generation))
+            play_turns(played, environment, tokenizer, stop, max_turns, max_tokens, framing)
             for row in active:
                 if trajectories[row].finish_reason is not None:
                     episode, episodes[row] = episodes[row], None
@@ -238,6 +236,30 @@ def run_episodes(
     return trajectories
 
 
+def play_turns(
+    played: list[tuple[Trajectory, Episode, Generation]],
+    environment: Environment,
+    tokenizer,
+    stop_strings: tuple[str, ...],
+    max_turns: int,
+    max_tokens: int,
+    framing: tuple[str, str],
+) -> None:
+    """Each episode's model turn (``generation``, as the engine sampled it) appended to its
+    trajectory and, unless the turn ends the episode, answered by the episode (the answers
+    ``environment.concurrent_steps`` at once) and the answer appended: a trajectory whose
+    ``finish_reason`` is still None goes on with another turn. Rounds and streamed
+    generation both play turns this way."""
+    asked = []
+    for trajectory, episode, generation in played:
+        text = _append_turn(trajectory, generation, tokenizer)
+        if text is not None:
+            asked.append((trajectory, episode, list(generation.token_ids), text))
+    observations = environment_answers(environment, [(episode, ids, text) for _, episode, ids, text in asked])
+    for (trajectory, _, _, text), observation in zip(asked, observations):
+        _take_observation(trajectory, observation, text, tokenizer, stop_strings, max_turns, max_tokens, framing)
+
+
 def _append_turn(trajectory: Trajectory, generation: Generation, tokenizer) -> Optional[str]:
     """Append one model turn; its text when the episode answers it, None when the turn
     ended the episode (the engine gave up, or the budget ran out mid-turn)."""
@@ -245,6 +267,7 @@ def _append_turn(trajectory: Trajectory, generation: Generation, tokenizer) -> O
     trajectory.token_ids += ids
     trajectory.log_probs += list(generation.log_probs)
     trajectory.model_mask += [1] * len(ids)
+    trajectory.turn_ends.append(len(trajectory.token_ids))
     trajectory.turns += 1
     if trajectory.weight_version < 0 or 0 <= generation.weight_version < trajectory.weight_version:
         trajectory.weight_version = generation.weight_version
@@ -256,7 +279,7 @@ def _append_turn(trajectory: Trajectory, generation: Generation, tokenizer) -> O
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _answers(environment: Environment, asked: list[tuple[Episode, list[int], str]]) -> list[Observation]:
+def environment_answers(environment: Environment, asked: list[tuple[Episode, list[int], str]]) -> list[Observation]:
     """Each episode's answer to its turn, ``environment.concurrent_steps`` at once."""
     if environment.concurrent_steps <= 1 or len(asked) <= 1:
         return [episode.step(ids, text) for episode, ids, text in asked]

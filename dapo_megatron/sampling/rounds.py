@@ -16,7 +16,6 @@ from dataclasses import replace
 from typing import Optional
 
 from dapo_megatron.algo import DynamicSamplingAccumulator
-from dapo_megatron.algo.rewards import RewardResult
 from dapo_megatron.algo.rewards.pool import RewardPool
 from dapo_megatron.config import AlgorithmConfig, DataConfig, RolloutConfig
 from dapo_megatron.orchestration.rollout import RolloutWorkers
@@ -30,6 +29,7 @@ from dapo_megatron.sampling.samples import (
     apply_rewards,
     drop_aborted_groups,
     response_metrics,
+    reward_results,
     samples_from_generations,
     samples_from_trajectories,
 )
@@ -87,16 +87,7 @@ def generate_and_score(
     else:
         samples = samples_from_trajectories(prompts, trajectories, round_index, tokenizer)
     with timed(times, "reward"):
-        # An episode the environment scored is not scored again.
-        unscored = [s for s in samples if s.environment_reward is None]
-        scored = iter(rewards.score([s.text for s in unscored], [s.prompt.ground_truth for s in unscored]))
-        results = [
-            next(scored)
-            if s.environment_reward is None
-            else RewardResult(s.environment_reward, s.environment_reward > 0, None)
-            for s in samples
-        ]
-        apply_rewards(samples, results, algorithm, params.max_new_tokens)
+        apply_rewards(samples, reward_results(rewards, samples), algorithm, params.max_new_tokens)
     return samples
 
 

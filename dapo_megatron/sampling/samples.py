@@ -132,6 +132,19 @@ def drop_aborted_groups(samples: list[Sample]) -> tuple[list[Sample], int]:
     return kept, sum(s.finish_reason == "abort" for s in samples)
 
 
+def reward_results(rewards, samples: list[Sample]) -> list[RewardResult]:
+    """Each sample's reward: the environment's score of an episode that has one, else the
+    reward pool's (``rewards.score``) of its text."""
+    unscored = [s for s in samples if s.environment_reward is None]
+    scored = iter(rewards.score([s.text for s in unscored], [s.prompt.ground_truth for s in unscored]))
+    return [
+        next(scored)
+        if s.environment_reward is None
+        else RewardResult(s.environment_reward, s.environment_reward > 0, None)
+        for s in samples
+    ]
+
+
 def apply_rewards(
     samples: list[Sample], results: list[RewardResult], algorithm: AlgorithmConfig, max_response_length: int
 ) -> None:

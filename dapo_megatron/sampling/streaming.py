@@ -24,21 +24,40 @@ answered first. SGLang schedules tokens itself: its tick ends when a request fin
 (or after ``stream_wait_s``), so there which groups complete first, and so the batch,
 depend on timing, and a resumed run continues correctly but not identically. What is
 carried or in flight is part of a checkpoint's state (:meth:`StreamingSampler.state_dict`).
+
+Multi-turn episodes (``rollout.env``) stream too: a row's turn ends at the environment's
+stop string, and a group whose rows have all ended their turns comes back; the episodes
+answer (``sampling/episodes.py``: the same turns as in rounds), the answers are appended
+to the rows, and the group goes back to an engine first, its rows continuing from
+everything so far, until every episode of the group has ended. An abort cuts an episode
+mid-turn like any response; with ``partial_rollout`` it continues there, and the
+checkpoint keeps its turns (each episode is replayed from them on resume, so an episode
+must depend only on its prompt and its turns).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Optional
 
 import torch
 
 from dapo_megatron.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_megatron.data import Prompt
-from dapo_megatron.rollout.engine import StreamGroup, StreamRow
+from dapo_megatron.rollout.engine import Generation, SamplingParams, StreamGroup, StreamRow
 from dapo_megatron.rollout.seeds import prompt_sampling_seeds
+from dapo_megatron.sampling.environments import Episode
+from dapo_megatron.sampling.episodes import EpisodeStats, Trajectory, episode_metrics, play_turns
 from dapo_megatron.sampling.sampler import Sampler
-from dapo_megatron.sampling.samples import Sample, apply_rewards, response_metrics, samples_from_record, samples_record
+from dapo_megatron.sampling.samples import (
+    Sample,
+    apply_rewards,
+    response_metrics,
+    reward_results,
+    samples_from_record,
+    samples_record,
+)
 
 KEY_STEP_SHIFT = 32
 """A group's key is ``step << KEY_STEP_SHIFT | draw index within the step``."""
@@ -52,6 +71,11 @@ class _Open:
     prompt: Prompt
     engine: int
     group: StreamGroup
+    trajectories: Optional[list[Trajectory]] = None
+    """Multi-turn episodes: each row's episode so far (its model turns and observations,
+    up to the current turn)."""
+    episodes: Optional[list[Optional[Episode]]] = None
+    """Multi-turn episodes: each row's running episode (None once it has ended)."""
 
     def back(self, group: StreamGroup) -> int:
         """Take the group as it came back; the tokens generated since it was handed out."""
@@ -123,6 +147,10 @@ class StreamingSampler(Sampler):
         self.carried: list[list[Sample]] = []  # kept groups beyond the last batch
         self.partial: list[_Open] = []  # groups cut by the last abort, to continue
         self.timeline: list[dict] = []  # the last step's ticks: start, wall, each engine's busy seconds
+        self._stream_sampling: SamplingParams = self.sampling
+        if self.episodes is not None:  # a turn ends at the environment's stop strings too
+            stops = (*self.sampling.stop_strings, *self.episodes.environment.stop_strings)
+            self._stream_sampling = replace(self.sampling, stop_strings=stops)
 
     # ------------------------------------------------------------------ one step
 
@@ -155,6 +183,7 @@ class StreamingSampler(Sampler):
             if lag > r.max_staleness:
                 c.dropped_stale_partial += 1
                 c.aborted_tokens += item.group.num_tokens
+                _close(item)
                 continue
             waiting.append(item)
             c.partial_in += _partial_rows(item)
@@ -194,26 +223,37 @@ class StreamingSampler(Sampler):
             done = [open_groups.pop(g.key) for g in completed]
             for item, g in zip(done, completed):  # tokens count when their group comes back
                 c.generated_tokens += item.back(g)
+            done, going_on = self._play_turns(done, times)
+            waiting[:0] = going_on  # episodes with another turn to take, first
             kept += self._score_and_filter(done, c, times)
 
         if open_groups:  # the batch is full: stop what is still generating
             _, back = self._tick([[] for _ in range(num_engines)], 0, True, phase_start, times)
-            finished = []  # complete before the abort took effect (SGLang): whole groups, scored
+            finished, cut = [], []  # complete before the abort took effect (SGLang), and cut
             for g in back:
                 item = open_groups.pop(g.key)
                 c.generated_tokens += item.back(g)
-                if g.done:
-                    finished.append(item)
-                elif r.partial_rollout:
+                (finished if g.done else cut).append(item)
+            finished, going_on = self._play_turns(finished, times)  # episodes between turns: cut too
+            for item in cut + going_on:
+                if r.partial_rollout:
                     self.partial.append(item)
                 else:
-                    c.aborted_tokens += g.num_tokens
+                    c.aborted_tokens += item.group.num_tokens
                     c.aborted_groups += 1
+                    _close(item)
             kept += self._score_and_filter(finished, c, times)  # beyond the batch: carried or trimmed
         # Held over to the next step, first: partial groups there was no room for (a batch
-        # full of carried groups) and prompts drawn that no engine had whole-group room for
+        # full of carried groups), episodes between two turns (kept as partial responses
+        # are, or dropped) and prompts drawn that no engine had whole-group room for
         # (their prompts are used, not skipped; they hold no tokens).
-        self.partial += waiting
+        for item in waiting:
+            if item.group.num_tokens and not r.partial_rollout:
+                c.aborted_tokens += item.group.num_tokens
+                c.aborted_groups += 1
+                _close(item)
+            else:
+                self.partial.append(item)
         phase = time.perf_counter() - phase_start
         times.setdefault("generate", 0.0)  # a batch of carried groups alone generates nothing
         times.setdefault("reward", 0.0)
@@ -232,7 +272,7 @@ class StreamingSampler(Sampler):
         ``times['generate']`` and the timeline; the engines' answers and the groups they
         handed back, in key order (whichever engine answered first)."""
         start = time.perf_counter()
-        answers = self.engines.stream_tick(adds, self.sampling, max_tokens, abort=abort)
+        answers = self.engines.stream_tick(adds, self._stream_sampling, max_tokens, abort=abort)
         wall = time.perf_counter() - start
         times["generate"] = times.get("generate", 0.0) + wall
         tick = {"start": start - phase_start, "wall": wall, "busy": [answer["busy_s"] for answer in answers]}
@@ -249,7 +289,55 @@ class StreamingSampler(Sampler):
         n = r.n_samples_per_prompt
         seeds = prompt_sampling_seeds(r.seed, step, round_index, position, n)
         group = StreamGroup(step << KEY_STEP_SHIFT | index, list(prompt.token_ids), [StreamRow(s) for s in seeds])
-        return _Open(prompt, -1, group)
+        if self.episodes is None:
+            return _Open(prompt, -1, group)
+        trajectories = [Trajectory(0) for _ in seeds]
+        episodes = [self.episodes.environment.start(prompt) for _ in seeds]
+        return _Open(prompt, -1, group, trajectories, episodes)
+
+    def _play_turns(self, items: list[_Open], times: dict) -> tuple[list[_Open], list[_Open]]:
+        """Multi-turn episodes: each group's rows have ended their turns; each episode
+        answers its row's turn (timed into ``times['generate']``), the answer is appended
+        to the row, and the rows whose episodes go on are reopened at their next turn.
+        The groups whose episodes have all ended, and those that go on."""
+        if self.episodes is None:
+            return items, []
+        start = time.perf_counter()
+        played, rows = [], []
+        for item in items:
+            for index, row in enumerate(item.group.rows):
+                trajectory = item.trajectories[index]
+                if trajectory.finish_reason is not None:
+                    continue  # ended in an earlier turn
+                held = len(trajectory.token_ids)
+                _end_at_first_stop(row, held, self._stream_sampling.stop_strings, self.tokenizer)
+                turn = Generation(
+                    0,
+                    row.token_ids[held:],
+                    row.log_probs[held:],
+                    row.finish_reason,
+                    weight_version=min(row.versions[held:], default=-1),
+                )
+                played.append((trajectory, item.episodes[index], turn))
+                rows.append((item, index, len(row.token_ids)))
+        rules = self.episodes
+        stop = self._stream_sampling.stop_strings
+        limit = min(self.rollout.max_response_length, self._stream_sampling.max_new_tokens)
+        play_turns(played, rules.environment, self.tokenizer, stop, rules.max_turns, limit, rules.framing)
+        for item, index, held in rows:
+            trajectory, row = item.trajectories[index], item.group.rows[index]
+            observed = trajectory.token_ids[held:]  # what the episode answered, if anything
+            row.token_ids += observed
+            row.log_probs += [0.0] * len(observed)
+            row.versions += [row.versions[-1] if row.versions else -1] * len(observed)
+            if trajectory.finish_reason is None:
+                row.finish_reason, row.turn_start = None, len(row.token_ids)
+            elif item.episodes[index] is not None:
+                item.episodes[index].close()
+                item.episodes[index] = None
+        times["generate"] = times.get("generate", 0.0) + time.perf_counter() - start
+        ended = [item for item in items if item.group.done]
+        return ended, [item for item in items if not item.group.done]
 
     def _score_and_filter(self, items: list[_Open], c: _Counts, times) -> list[list[Sample]]:
         """The completed groups as samples, scored; those dynamic sampling keeps."""
@@ -263,8 +351,9 @@ class StreamingSampler(Sampler):
             return []
         flat = [sample for group in groups for sample in group]
         start = time.perf_counter()
-        results = self.rewards.score([s.text for s in flat], [s.prompt.ground_truth for s in flat])
-        apply_rewards(flat, results, self.algorithm, self.rollout.max_response_length)
+        apply_rewards(flat, reward_results(self.rewards, flat), self.algorithm, self.rollout.max_response_length)
+        c.episodes += [s.episode for s in flat if s.episode is not None]
+        c.model_tokens += sum(sum(s.model_mask) for s in flat if s.model_mask is not None)
         times["reward"] = times.get("reward", 0.0) + time.perf_counter() - start
         c.timeouts += sum(s.timed_out for s in flat)
         c.errors += sum(s.reward_error for s in flat)
@@ -284,19 +373,25 @@ class StreamingSampler(Sampler):
         g = item.group
         step, index = g.key >> KEY_STEP_SHIFT, g.key & ((1 << KEY_STEP_SHIFT) - 1)
         samples = []
-        for row in g.rows:
-            samples.append(
-                Sample(
-                    group_id=(step, index),
-                    prompt=item.prompt,
-                    response_ids=list(row.token_ids),
-                    engine_log_probs=list(row.log_probs),
-                    finish_reason=row.finish_reason or "abort",
-                    text=self.tokenizer.decode(row.token_ids, skip_special_tokens=True),
-                    policy_version=min(row.versions) if row.versions else -1,
-                    token_versions=list(row.versions),
-                )
+        for row_index, row in enumerate(g.rows):
+            sample = Sample(
+                group_id=(step, index),
+                prompt=item.prompt,
+                response_ids=list(row.token_ids),
+                engine_log_probs=list(row.log_probs),
+                finish_reason=row.finish_reason or "abort",
+                text=self.tokenizer.decode(row.token_ids, skip_special_tokens=True),
+                policy_version=min(row.versions) if row.versions else -1,
+                token_versions=list(row.versions),
             )
+            if item.trajectories is not None:  # as rounds make an episode's sample
+                trajectory = item.trajectories[row_index]
+                reason = trajectory.finish_reason
+                sample.finish_reason = "stop" if reason == "max_turns" else reason or sample.finish_reason
+                sample.model_mask = list(trajectory.model_mask)
+                sample.episode = trajectory.stats
+                sample.environment_reward = trajectory.reward
+            samples.append(sample)
         return samples
 
     def _exhausted_message(self, drawn: int, c: _Counts, num_kept: int) -> str:
@@ -356,6 +451,8 @@ class StreamingSampler(Sampler):
         }
         for engine, seconds in enumerate(idle):
             metrics[f"time/engine{engine}_idle"] = seconds
+        if self.episodes is not None:  # every episode scored this step (those of dropped groups too; not aborted ones)
+            metrics.update(episode_metrics(c.episodes, c.model_tokens))
         return metrics
 
     # ------------------------------------------------------------------ checkpoint state
@@ -381,9 +478,11 @@ class StreamingSampler(Sampler):
                             "log_probs": torch.tensor(row.log_probs, dtype=torch.float64),
                             "versions": torch.tensor(row.versions, dtype=torch.int64),
                             "finish_reason": row.finish_reason or "",
+                            "turn_start": row.turn_start,
                         }
                         for row in item.group.rows
                     ],
+                    "episodes": [_episode_state(t) for t in item.trajectories or []],
                 }
                 for item in self.partial
             ],
@@ -408,10 +507,116 @@ class StreamingSampler(Sampler):
                     row["log_probs"].tolist(),
                     row["versions"].tolist(),
                     row["finish_reason"] or None,
+                    row.get("turn_start", 0),
                 )
                 for row in item["rows"]
             ]
-            self.partial.append(_Open(prompt, -1, StreamGroup(item["key"], item["prompt_ids"].tolist(), rows)))
+            restored = _Open(prompt, -1, StreamGroup(item["key"], item["prompt_ids"].tolist(), rows))
+            if bool(item.get("episodes")) != (self.episodes is not None):
+                raise ValueError(
+                    "the checkpoint's responses in flight were generated "
+                    + (
+                        "as multi-turn episodes, but rollout.env is unset"
+                        if item.get("episodes")
+                        else "single-turn, but rollout.env is set"
+                    )
+                    + ": resume with the run's rollout.env"
+                )
+            if item.get("episodes"):
+                restored.trajectories = [_trajectory(state, row) for state, row in zip(item["episodes"], rows)]
+                restored.episodes = [self._replayed(prompt, t) for t in restored.trajectories]
+            self.partial.append(restored)
+
+    def _replayed(self, prompt: Prompt, trajectory: Trajectory) -> Optional[Episode]:
+        """The episode of ``trajectory`` as it was after its last answered turn: begun
+        again and given its turns, one by one (None when it has ended)."""
+        if trajectory.finish_reason is not None:
+            return None
+        episode = self.episodes.environment.start(prompt)
+        start = 0
+        for end in trajectory.turn_ends:
+            while start < end and not trajectory.model_mask[start]:  # the observation before the turn
+                start += 1
+            ids = trajectory.token_ids[start:end]
+            episode.step(ids, self.tokenizer.decode(ids, skip_special_tokens=True))
+            start = end
+        return episode
+
+
+def _end_at_first_stop(row: StreamRow, turn_start: int, stop_strings: tuple[str, ...], tokenizer) -> None:
+    """End ``row``'s turn right after the first stop string in it. An engine that looks
+    for stop strings only in what one request generated (SGLang) misses one begun before
+    an abort and completed in the request that continued the row; the tokens it sampled
+    after it are not the model's turn."""
+    turn = row.token_ids[turn_start:]
+    if not stop_strings or not any(stop in tokenizer.decode(turn) for stop in stop_strings):
+        return
+    low, high = 1, len(turn)  # the shortest prefix that holds one
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (
+            (low, middle)
+            if any(stop in tokenizer.decode(turn[:middle]) for stop in stop_strings)
+            else (
+                middle + 1,
+                high,
+            )
+        )
+    keep = turn_start + low
+    if keep < len(row.token_ids):
+        del row.token_ids[keep:], row.log_probs[keep:], row.versions[keep:]
+        row.finish_reason = "stop"
+
+
+def _close(item: _Open) -> None:
+    """End the running episodes of a group that is dropped."""
+    for index, episode in enumerate(item.episodes or []):
+        if episode is not None:
+            episode.close()
+            item.episodes[index] = None
+
+
+def _episode_state(trajectory: Trajectory) -> dict:
+    """A row's episode in a checkpoint (its tokens are the row's)."""
+    return {
+        "length": len(trajectory.token_ids),
+        "model_mask": torch.tensor(trajectory.model_mask, dtype=torch.int8),
+        "turn_ends": torch.tensor(trajectory.turn_ends, dtype=torch.int64),
+        "counts": torch.tensor(
+            [
+                trajectory.turns,
+                trajectory.tool_calls,
+                trajectory.tool_errors,
+                trajectory.tool_timeouts,
+                trajectory.retokenized_differs,
+                trajectory.weight_version,
+            ],
+            dtype=torch.int64,
+        ),
+        "finish_reason": trajectory.finish_reason or "",
+        "reward": torch.tensor([] if trajectory.reward is None else [trajectory.reward], dtype=torch.float64),
+    }
+
+
+def _trajectory(state: dict, row: StreamRow) -> Trajectory:
+    length = state["length"]
+    turns, calls, errors, timeouts, retokenized, version = state["counts"].tolist()
+    reward = state["reward"].tolist()
+    return Trajectory(
+        0,
+        token_ids=row.token_ids[:length],
+        log_probs=row.log_probs[:length],
+        model_mask=state["model_mask"].tolist(),
+        turns=turns,
+        turn_ends=state["turn_ends"].tolist(),
+        tool_calls=calls,
+        tool_errors=errors,
+        tool_timeouts=timeouts,
+        retokenized_differs=retokenized,
+        finish_reason=state["finish_reason"] or None,
+        reward=reward[0] if reward else None,
+        weight_version=version,
+    )
 
 
 @dataclass
@@ -434,3 +639,5 @@ class _Counts:
     partial_in: int = 0
     partial_age_max: int = 0
     kept_new: int = 0
+    episodes: list[EpisodeStats] = field(default_factory=list)
+    model_tokens: int = 0

@@ -1,5 +1,6 @@
 """Training with streamed generation, through the whole system: as rounds when a tick
-covers a round, and an exact resume with carried groups and partial responses in flight."""
+covers a round, and an exact resume with carried groups and partial multi-turn episodes
+in flight."""
 
 from __future__ import annotations
 
@@ -39,8 +40,12 @@ def test_streaming_with_one_tick_per_round_trains_as_rounds_do(tiny_model, tmp_p
         assert got[step]["stream/aborted_tokens"] == 0.0  # a round ends when its last group does
 
 
-def test_a_streamed_run_with_carried_and_partial_groups_resumes_exactly(tiny_model, tmp_path, shared_ray):
-    switches = {"carry_over": True, "partial_rollout": True}
+def test_a_streamed_run_with_carried_groups_and_partial_episodes_resumes_exactly(tiny_model, tmp_path, shared_ray):
+    """Streamed multi-turn episodes (``tests/e2e/environments.py``) with carried groups and
+    partial responses: 2 steps + resume + 2 steps equal 4 steps to the bit. The save holds
+    episodes cut in flight, some after answered tool calls (their turns in the checkpoint,
+    replayed on resume)."""
+    switches = {"carry_over": True, "partial_rollout": True, "env": "tests.e2e.environments:PlusCalls", "max_turns": 3}
     whole, split = tmp_path / "whole", tmp_path / "split"
     raw = _streamed(tiny_model, whole, **ONE_RANK)
     raw["rollout"].update(switches)
@@ -50,6 +55,8 @@ def test_a_streamed_run_with_carried_and_partial_groups_resumes_exactly(tiny_mod
     train(config_from_dict(joined(raw, shared_ray), "e2e"))
     state = torch.load(latest_checkpoint(split / "checkpoints") / STREAM_STATE, weights_only=True)
     assert state["partial"] or state["carried_sizes"]  # something was in flight at the save
+    saved_episodes = [episode for item in state["partial"] for episode in item["episodes"]]
+    assert any(len(episode["turn_ends"]) > 0 for episode in saved_episodes)  # cut after an answered call
     raw = _streamed(tiny_model, split, **ONE_RANK)
     raw["rollout"].update(switches)
     train(config_from_dict(joined(raw, shared_ray), "e2e"), resume=True)
@@ -64,3 +71,4 @@ def test_a_streamed_run_with_carried_and_partial_groups_resumes_exactly(tiny_mod
     assert all(s["staleness/max"] <= 1 for s in steps) and any(s["staleness/max"] == 1 for s in steps)
     for s in steps:
         assert not [k for k, v in s.items() if isinstance(v, float) and not math.isfinite(v)]
+        assert s["episode/observation_tokens"] > 0 and 1 <= s["episode/turns_mean"] <= 3

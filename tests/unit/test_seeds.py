@@ -91,7 +91,7 @@ def test_a_streamed_draw_computes_only_its_own_rows_seeds(monkeypatch):
     def sampler(seed: int, n: int, gen_batch_size: int):
         rollout = SimpleNamespace(seed=seed, n_samples_per_prompt=n)
         data = SimpleNamespace(gen_batch_size=gen_batch_size, train_batch_size=gen_batch_size)
-        return SimpleNamespace(rollout=rollout, data=data)
+        return SimpleNamespace(rollout=rollout, data=data, episodes=None)
 
     prompt = Prompt(0, (1, 2, 3), "1", "test", "p")
     fake = sampler(1234, 3, 7)

@@ -102,6 +102,47 @@ def test_a_response_stops_at_its_limit_even_inside_a_chunk(engine):
     assert all(len(row.token_ids) == 7 and row.finish_reason == "length" for row in done.rows)
 
 
+class _Letters:
+    """Token i is the letter ``chr(97 + i % 26)``: a stop string's place in a row is plain."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def batch_decode(self, rows):
+        return [self.decode(row) for row in rows]
+
+
+def test_a_turn_stops_at_a_stop_string_across_chunks_and_only_after_its_start():
+    """Multi-turn streaming: a stop string that begins in one chunk and ends in the next
+    stops the row after the token that completes it; one in the tokens before the
+    row's ``turn_start`` (an observation) does not."""
+    torch.manual_seed(0)
+    engine = HFRolloutEngine.from_model_config(tiny_model(), tokenizer=_Letters())
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    (free,) = engine.generate([PROMPTS[0]], greedy)  # the row's tokens without a stop string
+    text = _Letters().decode(free.token_ids)
+    # A stop string across the first chunk of 4 tokens and the second, the first of its kind.
+    first_end = lambda stop: next(k for k in range(1, len(text) + 1) if stop in text[:k])  # noqa: E731
+    candidates = [(a, b) for a in (3, 2, 1) for b in (5, 6, 7) if first_end(text[a:b]) == b]
+    assert candidates, f"no stop string of the greedy text {text!r} ends where it first appears"
+    start, end = candidates[0]
+    stop = text[start:end]
+    stopping = SamplingParams(temperature=0.0, max_new_tokens=12, stop_strings=(stop,))
+    engine.stream_add([StreamGroup(0, list(PROMPTS[0]), [StreamRow(1)])], stopping)
+    assert engine.stream_step(4, version=0) == []
+    (done,) = engine.stream_step(4, version=0)
+    assert done.rows[0].token_ids == free.token_ids[:end] and done.rows[0].finish_reason == "stop"
+    assert len(done.rows[0].log_probs) == len(done.rows[0].versions) == end
+    # The same text in the row's tokens before its turn (what an environment wrote) does
+    # not stop it; counted from 0, it would (right after it).
+    for turn_start, reason, length in ((end - start, None, end - start + 1), (0, "stop", end - start)):
+        held = free.token_ids[start:end]
+        row = StreamRow(1, list(held), [0.0] * len(held), [0] * len(held), None, turn_start=turn_start)
+        engine.stream_add([StreamGroup(1, list(PROMPTS[0]), [row])], stopping)
+        (back,) = engine.stream_step(1, version=0) or engine.stream_abort(0)
+        assert (back.rows[0].finish_reason, len(back.rows[0].token_ids)) == (reason, length)
+
+
 def test_groups_go_in_contiguous_shares_when_all_is_idle_then_to_the_least_busy_engine():
     from dapo_megatron.data import Prompt
     from dapo_megatron.sampling.streaming import _assign, _Open
