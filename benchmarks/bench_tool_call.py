@@ -10,7 +10,7 @@ A tool call costs two things:
   observation is appended, and the next turn is a new generation whose input (prompt,
   turn, observation) is prefilled again. Measured on the transformers engine with the
   demo's tiny model, one round of the demo's 32 prompts x 8 episodes: the same number of
-  new tokens generated in one turn, and in two turns with a 7-token observation between
+  new tokens generated in one turn, and in two turns with a 8-token observation between
   them (the calculator's ``<result>NNNNNN</result>``), greedy so that every row runs to
   its budget. The difference is what the boundary adds to a round.
 - **The tool itself**: the calculator (an ``ast`` evaluation) and the ``python``
@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 
 DEMO = REPO / "runs" / "demo_tools"
 ROWS = 32 * 8
-FIRST, OBSERVATION, SECOND = 9, 7, 9
-"""The demo's episode: a 9-token call, a 7-token result, a 9-token answer."""
+FIRST, OBSERVATION, SECOND = 9, 8, 8
+"""The demo's episode: a 9-token call, an 8-token result, an 8-token answer."""
 
 
 def _median_seconds(run, repeats: int) -> float:
