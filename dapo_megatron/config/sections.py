@@ -185,7 +185,7 @@ class RolloutConfig:
     env_options: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Multi-turn (``env``): keyword arguments of the environment's class, checked by the
     run's pre-flight (``python``: ``timeout_s``, ``memory_mb``, ``output_chars``,
-    ``file_mb``; docs/environments.md)."""
+    ``file_mb``, ``workers``; docs/environments.md)."""
     observation_format: Literal["inline", "chat"] = "inline"
     """Multi-turn (``env``): ``inline``, an observation's text right after the model's turn,
     as the environment wrote it (a tool's output inside the assistant's message, as ReTool

@@ -142,7 +142,7 @@ def test_a_gpu_layout_without_gpus_fails_at_once_and_leaves_no_token(tiny_model,
 def test_engines_that_cannot_be_placed_fail_within_the_bound(tiny_model, tmp_path, monkeypatch):
     """The actor's two ranks take both CPUs of a 2-CPU instance, so the engine (1 CPU)
     can never start: the run fails naming it instead of waiting forever."""
-    monkeypatch.setattr(group_calls, "SCHEDULE_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(group_calls, "SCHEDULE_TIMEOUT_S", 3.0)
     raw = run_config(tiny_model, tmp_path / "run", **QUIET)
     raw["ray"] = {"num_cpus": 2}
     start = time.monotonic()
@@ -150,7 +150,7 @@ def test_engines_that_cannot_be_placed_fail_within_the_bound(tiny_model, tmp_pat
         train(config_from_dict(raw))
     assert time.monotonic() - start < 120
     message = str(caught.value)
-    assert message.startswith("1 of 1 rollout engine(s) not started after 5 s (rollout engine 0)"), message
+    assert message.startswith("1 of 1 rollout engine(s) not started after 3 s (rollout engine 0)"), message
     assert "(each asks for num_cpus 1, num_gpus 0); the cluster has 0 CPU free of 2, 0 GPU free of 0" in message, (
         message
     )

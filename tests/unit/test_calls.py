@@ -72,6 +72,6 @@ class _SlowToStart:
 def test_a_start_that_keeps_making_progress_is_not_cut_short(one_cpu_cluster):
     """Members that come up one after another, each later than the bound from the first
     call, as many stand-ins do on two cores: the wait goes on while any starts."""
-    members = [_SlowToStart.remote(seconds) for seconds in (1.5, 5, 8.5)]
+    members = [_SlowToStart.remote(seconds) for seconds in (1.0, 3.5, 6.0)]
     refs = [m.work.remote() for m in members]
-    assert call_all(refs, "stand-in", members=members, schedule_timeout_s=4.5) == ["done"] * 3
+    assert call_all(refs, "stand-in", members=members, schedule_timeout_s=3.5) == ["done"] * 3

@@ -57,7 +57,9 @@ def test_the_ray_token_and_the_callers_environment_are_out_of_reach(tmp_path, mo
     run = run_python(f"import os\nprint(sorted(os.environ))\nopen({str(token)!r}).read()", QUICK)
     assert run.exit_code == 1 and "PermissionError: sandbox: opening" in run.output
     assert token.read_text() not in run.output
-    assert run.output.startswith("['HOME', 'LANG', 'PATH', 'TMPDIR']\n")
+    assert run.output.startswith(
+        "['HOME', 'LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'PATH', 'TMPDIR']\n"
+    )
     listing = run_python(f"import os\nos.listdir({str(tmp_path)!r})", QUICK)
     assert "PermissionError: sandbox: listing" in listing.output
 

@@ -3,8 +3,8 @@ nor run away.
 
 Every call runs in a fresh interpreter (``python -I``, this one's executable) started in a
 new session, with a private temporary folder as its working directory and home, and an
-environment of its own (PATH, HOME, TMPDIR, LANG and nothing else: no Ray token path, no
-credentials); its output goes to a file without a name, which the code cannot reach.
+environment of its own (PATH, HOME, TMPDIR, LANG and one thread for numpy's math
+libraries, nothing else: no Ray token path, no credentials); its output goes to a file without a name, which the code cannot reach.
 
 Where this process is root and the kernel grants namespaces (``CAP_SYS_ADMIN``), the call
 gets the kernel's layers, which hold against code written to defeat everything else:
@@ -47,6 +47,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 NOBODY = "nobody"
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""numpy's math libraries on one thread: a block's threads count against its user's
+``RLIMIT_NPROC``, shared by every block running at once."""
 CUT_MARK = "\n[...]\n"
 """Where a long output's start and end meet."""
 
@@ -332,7 +335,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRun
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 cwd=folder,
-                env={"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8"},
+                env={"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8", **ONE_THREAD},
                 start_new_session=True,
                 close_fds=True,
                 pass_fds=(report_write,),
