@@ -405,6 +405,13 @@ class LoggingConfig:
     """Print metrics to the console every this many steps."""
     level: Literal["debug", "info", "warning", "error"] = "info"
     """Console log level."""
+    rollout_records_every: int = 1
+    """Write every this many steps' rollouts to ``<output_dir>/rollouts/step_NNNNNN.jsonl.gz``
+    (prompt, response, reward and its parts, advantage, kept or why dropped, both
+    log-probs; docs/running.md), and every validation's; 0: none."""
+    rollout_records_groups: int = 64
+    """The groups of a step written (a seeded draw among those kept and dropped); 0: all.
+    Bounds a step's file at scale (the 32B recipe's 64 groups: about 10 MB gzip'd)."""
 
 
 @dataclass

@@ -330,6 +330,7 @@ def _validate_algorithm(config: Config, fail) -> None:
         )
     _validate_streaming(config, fail)
     _validate_episodes(config, fail)
+    _validate_logging(config, fail)
     if not a.rollout_correction_cap > 1:
         fail(
             ("algorithm.rollout_correction_cap",),
@@ -384,6 +385,17 @@ def _validate_streaming(config: Config, fail) -> None:
             f"rollout.max_staleness={r.max_staleness} must be >= 1 with carry_over or partial_rollout (what is "
             "carried is trained at least one version later)",
         )
+
+
+def _validate_logging(config: Config, fail) -> None:
+    """The rollout records' bounds."""
+    lg = config.logging
+    for name in ("rollout_records_every", "rollout_records_groups"):
+        if getattr(lg, name) < 0:
+            fail(
+                (f"logging.{name}",),
+                f"logging.{name}={getattr(lg, name)} must be >= 0 (0: {'none' if name.endswith('every') else 'all'})",
+            )
 
 
 def _validate_episodes(config: Config, fail) -> None:

@@ -210,18 +210,22 @@ class Validation:
     prompts (:func:`evaluate_policy`), logged with the step, to the console too; nothing
     without validation data."""
 
-    def __init__(self, system, val_data, config: Config, tokenizer, metrics_log) -> None:
+    def __init__(self, system, val_data, config: Config, tokenizer, metrics_log, records=None) -> None:
+        """``records``: a :class:`~dapo_megatron.run.rollout_records.RolloutRecorder` that
+        writes each validation's responses."""
         self.system, self.val_data, self.config = system, val_data, config
-        self.tokenizer, self.metrics_log = tokenizer, metrics_log
+        self.tokenizer, self.metrics_log, self.records = tokenizer, metrics_log, records
 
     def __call__(self, step: int) -> Optional[float]:
         """Validate after ``step``; the accuracy (None without validation data)."""
         if self.val_data is None:
             return None
-        values, _ = evaluate_policy(
+        values, samples = evaluate_policy(
             self.system.engines, self.system.rewards, self.val_data.prompts, self.config, self.tokenizer
         )
         self.metrics_log.log(step, values, console=True)
+        if self.records is not None:
+            self.records.record_validation(step, samples)
         return values["val/accuracy"]
 
     def unless_stopped(self, step: int) -> None:

@@ -32,6 +32,7 @@ from dapo_megatron.data import (
 )
 from dapo_megatron.orchestration.group_calls import cause_of
 from dapo_megatron.rollout.engine import SamplingParams
+from dapo_megatron.run.rollout_records import StepRollouts
 from dapo_megatron.run.signals import StopNow
 from dapo_megatron.run.system import RunningSystem, give_engines_their_memory_back
 from dapo_megatron.runtime.measure import timed
@@ -157,6 +158,7 @@ class StepRunner:
         # them was abandoned on a stop signal (see :meth:`checkpoint_state`).
         self.abandoned: Optional[RunState] = None
         self.histograms: dict[str, torch.Tensor] = {}  # the last step's distributions (name -> values)
+        self.rollouts: Optional[StepRollouts] = None  # the last step's, for its rollout records
 
     def close(self) -> None:
         """Nothing to wait for: a generation still running ahead is abandoned (its thread
@@ -276,6 +278,14 @@ class StepRunner:
             "staleness/mean": sum(staleness) / len(staleness),
             "staleness/max": float(max(staleness)),
         }
+        self.rollouts = StepRollouts(
+            samples,
+            batch.advantages,
+            batch.response_mask(),
+            rollout_log_probs,
+            batch.old_log_probs if entropy is not None else None,
+            self.sampler.take_dropped(step),
+        )
         # Distributions, for TensorBoard's histograms (the trainer logs them with the step).
         self.histograms = {"response/length": torch.tensor([float(len(s.response_ids)) for s in samples])}
         if entropy is not None:  # the actor's old log-probs against the engine's, per loss token

@@ -34,6 +34,7 @@ from dapo_megatron.run.evaluation import Validation
 from dapo_megatron.run.metrics_log import MetricsLogger
 from dapo_megatron.run.preflight import preflight
 from dapo_megatron.run.resume import RunCheckpoint
+from dapo_megatron.run.rollout_records import RolloutRecorder
 from dapo_megatron.run.signals import Preempted, StopNow, StopRequest
 from dapo_megatron.run.step import GenerationAheadFailed, StepRunner
 from dapo_megatron.run.system import load_run_data, reference_weights, start_system
@@ -172,9 +173,12 @@ def train(
         metrics_log = stack.enter_context(
             MetricsLogger(run_dir, config.logging, t.num_steps, resume_after=checkpoints.resumed_after)
         )
+        records = stack.enter_context(
+            RolloutRecorder(run_dir, config.logging, t.seed, resume_after=checkpoints.resumed_after)
+        )
         system.sync_engines(checkpoints.start_step)  # the engines start from the actor's weights
         system.stop.running()
-        validate = Validation(system, val_data, config, tokenizer, metrics_log)
+        validate = Validation(system, val_data, config, tokenizer, metrics_log, records)
         val_before = validate(0) if t.val_before_train and checkpoints.resumed_after is None else None
         bad_steps, stop_budget = BadStepCounter(t.max_bad_steps_in_a_row), StopBudget(t.stop_grace_s)
         for step in range(checkpoints.start_step + 1, t.num_steps + 1):
@@ -190,6 +194,7 @@ def train(
             # of this step: it is logged and saved first.
             failed = stepper.take_failure()
             metrics_log.log(step, metrics, histograms=stepper.histograms)
+            records.record_step(step, stepper.rollouts)
             bad_steps.record(step, metrics, checkpoints.last)
             if due or system.stop.signal_name is not None or failed is not None:
                 checkpoints.save(step)

@@ -91,6 +91,14 @@ def generate_and_score(
     return samples
 
 
+def _groups(samples: list[Sample]) -> list[list[Sample]]:
+    """``samples`` by group, in the order the groups first appear."""
+    groups: dict = {}
+    for sample in samples:
+        groups.setdefault(sample.group_id, []).append(sample)
+    return list(groups.values())
+
+
 class RoundSampler(Sampler):
     """Rounds of generation and scoring until dynamic sampling holds the batch (see the
     module docstring); given what every :class:`~dapo_megatron.sampling.sampler.Sampler` is."""
@@ -106,6 +114,7 @@ class RoundSampler(Sampler):
         )
         generated_tokens = all_equal = groups = timeouts = errors = aborted = 0
         episodes: list = []
+        dropped: list[tuple[list[Sample], str]] = []
         round_index = 0
         while not accumulator.is_full:
             prompts = self.loader.next_batch(d.gen_batch_size or d.train_batch_size)
@@ -124,6 +133,9 @@ class RoundSampler(Sampler):
             )
             generated_tokens += sum(len(s.response_ids) if s.model_mask is None else sum(s.model_mask) for s in samples)
             episodes += [s.episode for s in samples if s.episode is not None]
+            dropped += [
+                (group, "aborted") for group in _groups(samples) if any(s.finish_reason == "abort" for s in group)
+            ]
             samples, round_aborted = drop_aborted_groups(samples)
             aborted += round_aborted
             timeouts += sum(s.timed_out for s in samples)
@@ -133,9 +145,14 @@ class RoundSampler(Sampler):
                 outcomes.setdefault(sample.group_id, set()).add(sample.correct)
             groups += len(outcomes)
             all_equal += sum(len(o) == 1 for o in outcomes.values())
+            if a.dynamic_sampling:
+                for group in _groups(samples):
+                    if len({s.correct for s in group}) == 1:
+                        dropped.append((group, "all_right" if group[0].correct else "all_wrong"))
             round_index += 1
             accumulator.add(samples, [float(s.correct) for s in samples])
         kept, _, sampling_metrics = accumulator.take()
+        self.dropped[step] = dropped
         metrics = {
             **response_metrics(kept, r.max_response_length),
             # Every reward call of the step counts, also those whose groups were dropped.

@@ -40,6 +40,15 @@ class Sampler:
         self.rollout, self.algorithm, self.data = rollout, algorithm, data
         self.episodes = episode_rules(rollout, tokenizer)
         """``rollout.env``'s multi-turn episodes (None: single-turn responses)."""
+        self.dropped: dict[int, list[tuple[list, str]]] = {}
+        """Each step's groups that were generated and scored but not trained, with why
+        (``all_right``, ``all_wrong``: dynamic sampling; ``aborted``: an engine gave up;
+        ``stale``: carried too long; ``surplus``: beyond the batch), until the step's
+        rollout records take them (:meth:`take_dropped`)."""
+
+    def take_dropped(self, step: int) -> list[tuple[list, str]]:
+        """Step ``step``'s dropped groups (see :attr:`dropped`), once."""
+        return self.dropped.pop(step, [])
 
 
 def sampler_sections(config: Config) -> dict:

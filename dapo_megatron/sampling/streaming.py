@@ -147,6 +147,7 @@ class StreamingSampler(Sampler):
         self.carried: list[list[Sample]] = []  # kept groups beyond the last batch
         self.partial: list[_Open] = []  # groups cut by the last abort, to continue
         self.timeline: list[dict] = []  # the last step's ticks: start, wall, each engine's busy seconds
+        self._dropped_now: list[tuple[list[Sample], str]] = []  # this step's, so far
         self._stream_sampling: SamplingParams = self.sampling
         if self.episodes is not None:  # a turn ends at the environment's stop strings too
             stops = (*self.sampling.stop_strings, *self.episodes.environment.stop_strings)
@@ -165,12 +166,14 @@ class StreamingSampler(Sampler):
         capacity = [max(c, 1) for c in _split(r.max_prompts_in_flight or per_round, num_engines)]
         max_drawn = a.max_num_gen_batches * per_round
         c = _Counts()
+        self._dropped_now: list[tuple[list[Sample], str]] = []
 
         kept: list[list[Sample]] = []
         for group in self.carried:  # carried groups first, unless too old
             lag = version - min(s.policy_version for s in group)
             if lag > r.max_staleness:
                 c.dropped_stale_groups += 1
+                self._dropped_now.append((group, "stale"))
                 continue
             kept.append(group)
             c.carried_in += 1
@@ -261,6 +264,9 @@ class StreamingSampler(Sampler):
         batch_groups, surplus = kept[:batch_size], kept[batch_size:]
         if r.carry_over:
             self.carried = surplus
+        else:
+            self._dropped_now += [(group, "surplus") for group in surplus]
+        self.dropped[step] = self._dropped_now
         batch = [sample for group in batch_groups for sample in group]
         c.kept_new = len(kept) - c.carried_in
         return batch, self._metrics(batch, c, drawn, per_round, len(surplus), phase, times)
@@ -345,6 +351,7 @@ class StreamingSampler(Sampler):
         for group in (self._samples_of(item) for item in items):
             if any(s.finish_reason == "abort" for s in group):  # the engine gave up on it: not scored
                 c.engine_aborted += sum(s.finish_reason == "abort" for s in group)
+                self._dropped_now.append((group, "aborted"))
                 continue
             groups.append(group)
         if not groups:
@@ -365,6 +372,7 @@ class StreamingSampler(Sampler):
             if len(outcomes) == 1:
                 c.all_equal += 1
                 if self.algorithm.dynamic_sampling:
+                    self._dropped_now.append((group, "all_right" if group[0].correct else "all_wrong"))
                     continue
             kept.append(group)
         return kept

@@ -3,6 +3,7 @@ transformers engine, the real loss, dynamic sampling, weight sync by handle, met
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from pathlib import Path
@@ -128,6 +129,26 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate, correction, level):
     assert [e.step for e in gaps] == [1, 2] and all(
         0 < e.histogram_value.num and e.histogram_value.max < 1e-2 for e in gaps
     )
+
+    # Rollout records: every response of each step (the default draw of 64 groups holds
+    # them all), the trained ones with their advantage and both views of their log-probs,
+    # the dropped ones with why; every validation's responses.
+    for step in steps:
+        with gzip.open(run_dir / "rollouts" / f"step_{step['step']:06d}.jsonl.gz", "rt") as handle:
+            rows = [json.loads(line) for line in handle]
+        kept, dropped = [r for r in rows if r["kept"]], [r for r in rows if not r["kept"]]
+        assert len(kept) == 16 and {r["dropped"] for r in dropped} <= {"all_right", "all_wrong"}
+        assert len(dropped) == 4 * (step["dynamic_sampling/generated"] - step["dynamic_sampling/kept"])
+        for row in kept:
+            assert row["reward"] == pytest.approx(row["score"] + row["overlong_penalty"])
+            assert abs(row["actor_log_prob_mean"] - row["engine_log_prob_mean"]) < 1e-2 and row["trained_tokens"] > 0
+        by_group: dict = {}
+        for row in kept:
+            by_group.setdefault(tuple(row["group"]), []).append(row["advantage"])
+        assert len(by_group) == 4 and all(abs(sum(a)) < 1e-4 for a in by_group.values())  # centred per group
+    for step in (0, 2):
+        with gzip.open(run_dir / "rollouts" / f"val_step_{step:06d}.jsonl.gz", "rt") as handle:
+            assert sum(1 for _ in handle) == 100 * 2  # 100 problems x val_n_samples
 
     # Weights moved, and after the last sync the engine serves exactly the actor's weights.
     initial = load_file(str(tiny_model / "model/model.safetensors"))
