@@ -409,9 +409,10 @@ class LoggingConfig:
     """Write every this many steps' rollouts to ``<output_dir>/rollouts/step_NNNNNN.jsonl.gz``
     (prompt, response, reward and its parts, advantage, kept or why dropped, both
     log-probs; docs/running.md), and every validation's; 0: none."""
-    rollout_records_groups: int = 64
+    rollout_records_groups: int = 16
     """The groups of a step written (a seeded draw among those kept and dropped); 0: all.
-    Bounds a step's file at scale (the 32B recipe's 64 groups: about 10 MB gzip'd)."""
+    Bounds a step's file at scale (the 32B recipe: 16 groups of 16 responses, about 8 MB
+    of JSON, 2-3 MB gzip'd; docs/running.md)."""
 
 
 @dataclass

@@ -103,26 +103,36 @@ def _sample_row(sample, kept: bool, dropped: Optional[str]) -> dict:
 def step_rows(step: int, rollouts: StepRollouts, groups: int, seed: int) -> list[dict]:
     """The rows of step ``step``: every response of ``groups`` groups drawn with a seed of
     the step (all of them when ``groups`` is 0), trained ones first."""
-    rows_of: dict[tuple, list[dict]] = {}
-    mask = rollouts.loss_mask.bool()
+    members: dict[tuple, list[tuple[object, Optional[int], Optional[str]]]] = {}
     for index, sample in enumerate(rollouts.samples):
-        row = _sample_row(sample, True, None)
-        tokens = mask[index]
-        row["advantage"] = float(rollouts.advantages[index])
-        row["trained_tokens"] = int(tokens.sum())
-        if rollouts.actor_log_probs is not None and tokens.any():
-            engine, actor = rollouts.engine_log_probs[index][tokens], rollouts.actor_log_probs[index][tokens]
-            row["engine_log_prob_mean"] = float(engine.float().mean())
-            row["actor_log_prob_mean"] = float(actor.float().mean())
-            row["log_prob_gap_max"] = float((actor.float() - engine.float()).abs().max())
-        rows_of.setdefault(("kept", *sample.group_id), []).append(row)
+        members.setdefault(("kept", *sample.group_id), []).append((sample, index, None))
     for group, reason in rollouts.dropped:
-        rows_of.setdefault((reason, *group[0].group_id), []).extend(_sample_row(s, False, reason) for s in group)
-    keys = list(rows_of)
+        members.setdefault((reason, *group[0].group_id), []).extend((s, None, reason) for s in group)
+    keys = list(members)
     if groups and len(keys) > groups:
         chosen = set(random.Random(seed * 1_000_003 + step).sample(range(len(keys)), groups))
         keys = [key for index, key in enumerate(keys) if index in chosen]
-    return [{"step": step, **row} for key in keys for row in rows_of[key]]
+    # The trained rows' figures, for the whole batch at once.
+    mask = rollouts.loss_mask.float()
+    counts = mask.sum(dim=1)
+    engine_means = (rollouts.engine_log_probs.float() * mask).sum(dim=1) / counts.clamp(min=1)
+    actor = rollouts.actor_log_probs
+    if actor is not None:
+        actor_means = (actor.float() * mask).sum(dim=1) / counts.clamp(min=1)
+        gaps = ((actor.float() - rollouts.engine_log_probs.float()).abs() * mask).amax(dim=1)
+    rows = []
+    for key in keys:
+        for sample, index, reason in members[key]:
+            row = {"step": step, **_sample_row(sample, index is not None, reason)}
+            if index is not None:
+                row["advantage"] = float(rollouts.advantages[index])
+                row["trained_tokens"] = int(counts[index])
+                if actor is not None and counts[index] > 0:
+                    row["engine_log_prob_mean"] = float(engine_means[index])
+                    row["actor_log_prob_mean"] = float(actor_means[index])
+                    row["log_prob_gap_max"] = float(gaps[index])
+            rows.append(row)
+    return rows
 
 
 def validation_rows(step: int, samples: list) -> list[dict]:
