@@ -149,11 +149,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             "trainer.num_steps to train further)"
         )
         return ExitCode.OK
-    summary = f"trained {result.steps} steps; run folder {result.run_dir}"
-    if result.val_before is not None:
-        summary += f"; validation accuracy {result.val_before:.1%} -> {result.val_after:.1%}"
-    print(summary)
-    print(f"TensorBoard: tensorboard --logdir {result.run_dir / 'tensorboard'}")
+    print("\n".join(result.summary(config)))
     return ExitCode.OK
 
 

@@ -215,6 +215,7 @@ class Validation:
         writes each validation's responses."""
         self.system, self.val_data, self.config = system, val_data, config
         self.tokenizer, self.metrics_log, self.records = tokenizer, metrics_log, records
+        self.history: list[tuple[int, float]] = []  # (step, accuracy) of every validation
 
     def __call__(self, step: int) -> Optional[float]:
         """Validate after ``step``; the accuracy (None without validation data)."""
@@ -226,6 +227,7 @@ class Validation:
         self.metrics_log.log(step, values, console=True)
         if self.records is not None:
             self.records.record_validation(step, samples)
+        self.history.append((step, values["val/accuracy"]))
         return values["val/accuracy"]
 
     def unless_stopped(self, step: int) -> None:

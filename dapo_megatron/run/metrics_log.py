@@ -33,6 +33,16 @@ _CONSOLE = (
 )
 
 
+def duration(seconds: float) -> str:
+    """``45s``, ``3m05s``, ``2h07m``: a time for people."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _step_of(line: str) -> float:
     try:
         return float(json.loads(line)["step"])
@@ -73,6 +83,7 @@ class MetricsLogger:
             purge = None if resume_after is None else resume_after + 1
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
         self._start = time.perf_counter()
+        self._first_step = (resume_after or 0) + 1  # the first step this process trains
 
     def log(
         self, step: int, metrics: dict[str, float], *, console: Optional[bool] = None, histograms: Optional[dict] = None
@@ -116,6 +127,9 @@ class MetricsLogger:
                     parts.append(f"{label} {fmt.format(value)}")
         elapsed = time.perf_counter() - self._start
         parts.append(f"elapsed {elapsed:.0f}s")
+        done_here = step - self._first_step + 1
+        if "val/accuracy" not in metrics and 0 < done_here and step < self.num_steps:
+            parts.append(f"eta {duration(elapsed / done_here * (self.num_steps - step))}")
         return "  ".join(parts)
 
     def __enter__(self) -> MetricsLogger:

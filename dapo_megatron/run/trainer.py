@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -31,10 +32,10 @@ from dapo_megatron.config import Config, ConfigError
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.run.evaluation import Validation
-from dapo_megatron.run.metrics_log import MetricsLogger
+from dapo_megatron.run.metrics_log import MetricsLogger, duration
 from dapo_megatron.run.preflight import preflight
 from dapo_megatron.run.resume import RunCheckpoint
-from dapo_megatron.run.rollout_records import RolloutRecorder
+from dapo_megatron.run.rollout_records import RECORDS_DIR, RolloutRecorder
 from dapo_megatron.run.signals import Preempted, StopNow, StopRequest
 from dapo_megatron.run.step import GenerationAheadFailed, StepRunner
 from dapo_megatron.run.system import load_run_data, reference_weights, start_system
@@ -134,6 +135,41 @@ class TrainResult:
     """The last checkpoint written."""
     already_complete: bool = False
     """The run was complete before this call (resumed at ``num_steps``): nothing ran."""
+    seconds: float = 0.0
+    """Wall-clock time of this call."""
+    validations: list[tuple[int, float]] = field(default_factory=list)
+    """Every validation of this call: ``(step, accuracy)``."""
+    hf_export: Optional[Path] = None
+    """The final policy as an HF checkpoint, when exported."""
+
+    def summary(self, config: Config) -> list[str]:
+        """The run's end, for the console: steps and time, validation first, best and
+        last, and where everything went."""
+        first = f"trained {self.steps} steps in {duration(self.seconds)}; run folder {self.run_dir}"
+        if self.val_before is not None and self.val_after is not None:
+            first += f"; validation accuracy {self.val_before:.1%} -> {self.val_after:.1%}"
+        lines = [first]
+        if self.validations:
+            (s0, a0), (s1, a1) = self.validations[0], self.validations[-1]
+            best_step, best = max(self.validations, key=lambda v: (v[1], -v[0]))
+            lines.append(
+                f"validation accuracy: first {a0:.1%} (step {s0}), best {best:.1%} (step {best_step}), "
+                f"last {a1:.1%} (step {s1})"
+            )
+        lines.append(
+            f"checkpoints: {config.checkpoint_save_dir}"
+            + (f" (last: {Path(self.last_checkpoint).name})" if self.last_checkpoint else " (none written)")
+            + (f"; HF export: {self.hf_export}" if self.hf_export is not None else "")
+        )
+        sinks = [f"metrics.jsonl {self.run_dir / 'metrics.jsonl'}"]
+        if config.logging.tensorboard:
+            sinks.append(
+                f"TensorBoard {self.run_dir / 'tensorboard'} (tensorboard --logdir {self.run_dir / 'tensorboard'})"
+            )
+        if config.logging.rollout_records_every:
+            sinks.append(f"rollout records {self.run_dir / RECORDS_DIR}")
+        lines.append("wrote: " + "; ".join(sinks))
+        return lines
 
 
 def train(
@@ -151,6 +187,7 @@ def train(
     given, is called with the actor and the engines after the last step, before they are
     shut down (tests compare the engines' weights with the actor's).
     """
+    started = time.perf_counter()
     preflight(config)
     t, run_dir = config.trainer, Path(config.trainer.output_dir)
     checkpoints = RunCheckpoint(config, resume=resume, resume_from=resume_from)
@@ -209,10 +246,19 @@ def train(
             if system.stop.signal_name is not None:
                 raise preempted(system.stop, checkpoints, step)
         val_after = validate(t.num_steps) if t.val_before_train or t.val_every else val_before
-        export_final_weights(config, checkpoints, run_dir)
+        exported = export_final_weights(config, checkpoints, run_dir)
         if inspect is not None:
             inspect(system.actor, system.engines)
-    return TrainResult(run_dir, t.num_steps, val_before, val_after, checkpoints.last)
+    return TrainResult(
+        run_dir,
+        t.num_steps,
+        val_before,
+        val_after,
+        checkpoints.last,
+        seconds=time.perf_counter() - started,
+        validations=validate.history,
+        hf_export=exported,
+    )
 
 
 def make_run_folder(run_dir: Path) -> None:
@@ -233,9 +279,12 @@ def preempted(stop: StopRequest, checkpoints: RunCheckpoint, step: int, abandone
     return Preempted(stop.signal_name, step, checkpoint, abandoned=abandoned)
 
 
-def export_final_weights(config: Config, checkpoints: RunCheckpoint, run_dir: Path) -> None:
-    """``checkpoint.export_hf``: the last step's weights as an HF model in ``hf_final``."""
+def export_final_weights(config: Config, checkpoints: RunCheckpoint, run_dir: Path) -> Optional[Path]:
+    """``checkpoint.export_hf``: the last step's weights as an HF model in ``hf_final``
+    (its folder; None when not exported)."""
     if config.checkpoint.export_hf and config.model.hf_config is None:
         logger.warning("checkpoint.export_hf: no model.hf_config (config.json) to export with; skipped")
     elif config.checkpoint.export_hf:
         export_hf(checkpoints.ensure(config.trainer.num_steps), config, run_dir / "hf_final")
+        return run_dir / "hf_final"
+    return None
