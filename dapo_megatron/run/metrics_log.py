@@ -61,10 +61,13 @@ class MetricsLogger:
         stream: TextIO = sys.stdout,
         *,
         resume_after: Optional[int] = None,
+        sink=None,
     ):
         """``resume_after``: the step a resumed run continues after; records of later steps
         (written after that checkpoint, before the run stopped) are dropped from
-        ``metrics.jsonl`` and TensorBoard, so each step appears once."""
+        ``metrics.jsonl`` and TensorBoard, so each step appears once. ``sink``: one more
+        place every metric goes (:class:`~dapo_megatron.run.wandb_sink.WandbSink`)."""
+        self.sink = sink
         self.run_dir = Path(run_dir)
         self.config = config
         self.num_steps = num_steps
@@ -97,6 +100,8 @@ class MetricsLogger:
             for name, value in clean.items():
                 self.writer.add_scalar(name, value, step)
             self.writer.flush()
+        if self.sink is not None:
+            self.sink.log(step, clean)
         show = console if console is not None else (step % max(1, self.config.log_every) == 0)
         if show:
             self.stream.write(self.format_line(step, clean) + "\n")

@@ -35,6 +35,18 @@ def check_reward(config: Config) -> None:
         raise _fail(config, "algorithm.reward_fn", str(exc)) from None
 
 
+def check_wandb(config: Config) -> None:
+    """``logging.wandb`` needs the ``wandb`` package."""
+    if not config.logging.wandb:
+        return
+    from dapo_megatron.run.wandb_sink import import_wandb
+
+    try:
+        import_wandb()
+    except ImportError as exc:
+        raise _fail(config, "logging.wandb", str(exc)) from None
+
+
 def check_environment(config: Config) -> None:
     """``rollout.env`` names a registered environment or an importable ``module:Class``,
     which ``rollout.env_options`` build."""
@@ -127,5 +139,6 @@ def preflight(config: Config) -> None:
     the tokenizer is loaded)."""
     check_reward(config)
     check_environment(config)
+    check_wandb(config)
     check_inputs_exist(config)
     check_output_dirs(config)

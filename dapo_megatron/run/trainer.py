@@ -35,10 +35,11 @@ from dapo_megatron.run.evaluation import Validation
 from dapo_megatron.run.metrics_log import MetricsLogger, duration
 from dapo_megatron.run.preflight import preflight
 from dapo_megatron.run.resume import RunCheckpoint
-from dapo_megatron.run.rollout_records import RECORDS_DIR, RolloutRecorder
+from dapo_megatron.run.rollout_records import RECORDS_DIR, RolloutRecorder, step_rows
 from dapo_megatron.run.signals import Preempted, StopNow, StopRequest
 from dapo_megatron.run.step import GenerationAheadFailed, StepRunner
 from dapo_megatron.run.system import load_run_data, reference_weights, start_system
+from dapo_megatron.run.wandb_sink import WandbSink
 from dapo_megatron.sampling.rounds import training_sampling
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ class TrainResult:
     """Every validation of this call: ``(step, accuracy)``."""
     hf_export: Optional[Path] = None
     """The final policy as an HF checkpoint, when exported."""
+    wandb: Optional[str] = None
+    """Where the W&B run went, when logged there."""
 
     def summary(self, config: Config) -> list[str]:
         """The run's end, for the console: steps and time, validation first, best and
@@ -168,6 +171,8 @@ class TrainResult:
             )
         if config.logging.rollout_records_every:
             sinks.append(f"rollout records {self.run_dir / RECORDS_DIR}")
+        if self.wandb is not None:
+            sinks.append(self.wandb)
         lines.append("wrote: " + "; ".join(sinks))
         return lines
 
@@ -207,8 +212,12 @@ def train(
             system.actor.load_reference(*reference)
         system.stop.check_starting()
         checkpoints.begin()  # the run has started: now its files change
+        wandb = None
+        if config.logging.wandb:
+            wandb = WandbSink(run_dir, config.logging, config.to_dict(), resume=checkpoints.resumed_after is not None)
+            stack.callback(wandb.close)
         metrics_log = stack.enter_context(
-            MetricsLogger(run_dir, config.logging, t.num_steps, resume_after=checkpoints.resumed_after)
+            MetricsLogger(run_dir, config.logging, t.num_steps, resume_after=checkpoints.resumed_after, sink=wandb)
         )
         records = stack.enter_context(
             RolloutRecorder(run_dir, config.logging, t.seed, resume_after=checkpoints.resumed_after)
@@ -232,6 +241,8 @@ def train(
             failed = stepper.take_failure()
             metrics_log.log(step, metrics, histograms=stepper.histograms)
             records.record_step(step, stepper.rollouts)
+            if wandb is not None and wandb.wants_table(step):
+                wandb.table(step, step_rows(step, stepper.rollouts, 8, t.seed))
             bad_steps.record(step, metrics, checkpoints.last)
             if due or system.stop.signal_name is not None or failed is not None:
                 checkpoints.save(step)
@@ -258,6 +269,7 @@ def train(
         seconds=time.perf_counter() - started,
         validations=validate.history,
         hf_export=exported,
+        wandb=None if wandb is None else wandb.where(),
     )
 
 

@@ -85,6 +85,8 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate, correction, level):
     # Colocated engines get buckets by shared-memory handle; separate ones by broadcast.
     raw = run_config(tiny_model, run_dir, **{"rollout.colocate": colocate})
     raw["algorithm"].update(rollout_correction=correction, rollout_correction_level=level)
+    if colocate:  # one of the two runs logs to Weights & Biases too, offline
+        raw["logging"] = {**raw.get("logging", {}), "wandb": True, "wandb_mode": "offline", "wandb_table_every": 2}
     config = config_from_dict(raw, "e2e")
     result = train(config, inspect=inspect)
 
@@ -129,6 +131,19 @@ def test_train_end_to_end(tiny_model, tmp_path, colocate, correction, level):
     assert [e.step for e in gaps] == [1, 2] and all(
         0 < e.histogram_value.num and e.histogram_value.max < 1e-2 for e in gaps
     )
+
+    # Weights & Biases (offline): every metric of every step and validation, the same
+    # values under the same names; a table of responses at step 2; the summary names it.
+    if colocate:
+        from tests.unit.wandb_offline import history
+
+        logged = history(run_dir)
+        for line in lines:
+            assert {name: logged[line["step"]][name] for name in line if name != "step"} == pytest.approx(
+                {name: value for name, value in line.items() if name != "step"}, nan_ok=True
+            ), line["step"]
+        assert logged[2]["rollouts/samples/ncols"] == 8 and logged[2]["rollouts/samples/nrows"] > 0
+        assert "W&B offline run" in result.wandb and any("W&B offline run" in s for s in result.summary(config))
 
     # Rollout records: every response of each step (the default draw of 64 groups holds
     # them all), the trained ones with their advantage and both views of their log-probs,
