@@ -15,6 +15,9 @@ STAMP := $(VENV)/.dapo-installed
 
 test: $(STAMP)
 	$(PY) -m ruff check dapo_megatron tests benchmarks tools examples
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && timeout 300 apt-get install -y -q chromium >/dev/null 2>&1; } || \
+	  echo "make test: no Chromium, and it could not be installed here: the report's browser test will skip"
 	$(PY) -m pytest -q
 
 # The checks a machine with a GPU runs (all of tests/gpu, ~10 minutes on one H200; each

@@ -18,6 +18,7 @@ import argparse
 import enum
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Optional
 
 from dapo_megatron import __version__
@@ -226,6 +227,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from dapo_megatron.run.report import write_report
+
+    try:
+        path = write_report(args.run, args.out, args.steps)
+    except FileNotFoundError as exc:
+        print(f"dapo-megatron report: error: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    print(f"wrote {path}")
+    return ExitCode.OK
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from dapo_megatron.ckpt.convert import run_cli
 
@@ -395,6 +408,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reward-responses", type=int, default=2000, help="responses in the reward mix")
     bench.add_argument("--peak-tflops", type=float, help="per-device peak to compute MFU against (default: published)")
     bench.add_argument("--peak-tb-per-s", type=float, help="per-device memory bandwidth (default: published)")
+
+    report = commands.add_parser(
+        "report",
+        help="one self-contained HTML page of a run (also of a run in progress)",
+        description="Plots of the learning curve, the mismatch, the phases of a step and dynamic sampling's keep rate, "
+        "and the best, worst and most frequent responses of chosen steps (docs/running.md).",
+    )
+    report.add_argument("run", type=Path, help="the run folder (trainer.output_dir)")
+    report.add_argument("--out", type=Path, help="the page to write (default: RUN/report.html)")
+    report.add_argument(
+        "--steps", type=int, nargs="+", help="the steps whose responses are shown (default: first, middle, last)"
+    )
+    report.set_defaults(func=_cmd_report)
 
     convert = commands.add_parser(
         "convert",
