@@ -16,7 +16,8 @@ does ``zcat``). A response's row says
   ``actor_log_prob_mean`` and ``log_prob_gap_max`` (the largest per-token difference),
   over its trained tokens, when the actor computed old log-probs;
 - the policy versions that sampled it (``policy_versions``: oldest and newest) and, for a
-  multi-turn episode, ``turns``, ``tool_calls``, ``tool_errors`` and ``observation_tokens``.
+  multi-turn episode, ``turns``, ``tool_calls``, ``tool_errors``, ``observation_tokens``
+  and ``episode``: its turns in order, each ``{"by": "model" | "environment", "text"}``.
 
 Validation writes ``<run>/rollouts/val_step_NNNNNN.jsonl.gz`` (prompt, response, reward,
 correct) at each validation.
@@ -70,7 +71,21 @@ def record_path(run_dir: str | Path, step: int, kind: str = "step") -> Path:
     return Path(run_dir) / RECORDS_DIR / f"{kind}_{step:06d}.jsonl.gz"
 
 
-def _sample_row(sample, kept: bool, dropped: Optional[str]) -> dict:
+def episode_turns(sample, decode) -> list[dict]:
+    """A multi-turn episode's response as its turns: ``{"by": "model" | "environment",
+    "text": ...}``, one per run of tokens the model sampled or the environment wrote."""
+    turns: list[dict] = []
+    start = 0
+    mask = sample.model_mask
+    for end in range(1, len(mask) + 1):
+        if end == len(mask) or mask[end] != mask[start]:
+            by = "model" if mask[start] else "environment"
+            turns.append({"by": by, "text": decode(sample.response_ids[start:end])})
+            start = end
+    return turns
+
+
+def _sample_row(sample, kept: bool, dropped: Optional[str], decode=None) -> dict:
     versions = sample.token_versions or [sample.policy_version]
     row = {
         "group": list(sample.group_id),
@@ -97,12 +112,15 @@ def _sample_row(sample, kept: bool, dropped: Optional[str]) -> dict:
             tool_errors=sample.episode.tool_errors,
             observation_tokens=sample.episode.observation_tokens,
         )
+    if sample.model_mask is not None and decode is not None:
+        row["episode"] = episode_turns(sample, decode)
     return row
 
 
-def step_rows(step: int, rollouts: StepRollouts, groups: int, seed: int) -> list[dict]:
+def step_rows(step: int, rollouts: StepRollouts, groups: int, seed: int, decode=None) -> list[dict]:
     """The rows of step ``step``: every response of ``groups`` groups drawn with a seed of
-    the step (all of them when ``groups`` is 0), trained ones first."""
+    the step (all of them when ``groups`` is 0), trained ones first; a multi-turn
+    episode's turns too, with ``decode`` (token ids -> text)."""
     members: dict[tuple, list[tuple[object, Optional[int], Optional[str]]]] = {}
     for index, sample in enumerate(rollouts.samples):
         members.setdefault(("kept", *sample.group_id), []).append((sample, index, None))
@@ -123,7 +141,7 @@ def step_rows(step: int, rollouts: StepRollouts, groups: int, seed: int) -> list
     rows = []
     for key in keys:
         for sample, index, reason in members[key]:
-            row = {"step": step, **_sample_row(sample, index is not None, reason)}
+            row = {"step": step, **_sample_row(sample, index is not None, reason, decode)}
             if index is not None:
                 row["advantage"] = float(rollouts.advantages[index])
                 row["trained_tokens"] = int(counts[index])
@@ -135,9 +153,9 @@ def step_rows(step: int, rollouts: StepRollouts, groups: int, seed: int) -> list
     return rows
 
 
-def validation_rows(step: int, samples: list) -> list[dict]:
+def validation_rows(step: int, samples: list, decode=None) -> list[dict]:
     """The rows of a validation at step ``step``: every response."""
-    return [{"step": step, **_sample_row(sample, False, None)} for sample in samples]
+    return [{"step": step, **_sample_row(sample, False, None, decode)} for sample in samples]
 
 
 def write_rows(path: Path, rows: list[dict]) -> int:
@@ -154,8 +172,19 @@ def write_rows(path: Path, rows: list[dict]) -> int:
 class RolloutRecorder:
     """Writes the records (see the module docstring) in a thread of its own."""
 
-    def __init__(self, run_dir: str | Path, config: LoggingConfig, seed: int, *, resume_after: Optional[int] = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config: LoggingConfig,
+        seed: int,
+        *,
+        resume_after: Optional[int] = None,
+        tokenizer=None,
+    ):
+        """``tokenizer``: decodes a multi-turn episode's turns (without it, rows hold the
+        whole response only)."""
         self.run_dir, self.config, self.seed = Path(run_dir), config, seed
+        self.decode = None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-records")
         self._pending: list[Future] = []
         self.written: list[tuple[int, int, float]] = []  # (step, bytes, seconds)
@@ -177,13 +206,14 @@ class RolloutRecorder:
     def record_step(self, step: int, rollouts: StepRollouts) -> None:
         """Step ``step``'s records, built and written in the background."""
         if self.wants(step):
-            self._submit(step, lambda: step_rows(step, rollouts, self.config.rollout_records_groups, self.seed))
+            groups = self.config.rollout_records_groups
+            self._submit(step, lambda: step_rows(step, rollouts, groups, self.seed, self.decode))
 
     def record_validation(self, step: int, samples: list) -> None:
         """A validation's records, in the background (every validation is recorded while
         ``rollout_records_every`` is not 0)."""
         if self.config.rollout_records_every > 0:
-            self._submit(step, lambda: validation_rows(step, samples), kind="val_step")
+            self._submit(step, lambda: validation_rows(step, samples, self.decode), kind="val_step")
 
     def _submit(self, step: int, rows, kind: str = "step") -> None:
         def write() -> None:

@@ -220,7 +220,9 @@ def train(
             MetricsLogger(run_dir, config.logging, t.num_steps, resume_after=checkpoints.resumed_after, sink=wandb)
         )
         records = stack.enter_context(
-            RolloutRecorder(run_dir, config.logging, t.seed, resume_after=checkpoints.resumed_after)
+            RolloutRecorder(
+                run_dir, config.logging, t.seed, resume_after=checkpoints.resumed_after, tokenizer=tokenizer
+            )
         )
         system.sync_engines(checkpoints.start_step)  # the engines start from the actor's weights
         system.stop.running()

@@ -255,6 +255,14 @@ def test_multi_turn_episodes_train_through_the_whole_system(tiny_model, tmp_path
         assert 0 <= step["episode/masked_token_share"] < 1
     assert sum(s["episode/tool_calls"] for s in steps) > 0 and sum(s["episode/observation_tokens"] for s in steps) > 0
 
+    with gzip.open(run_dir / "rollouts" / "step_000003.jsonl.gz", "rt") as handle:
+        rows = [json.loads(line) for line in handle]
+    called = [row for row in rows if row["tool_calls"]]
+    assert called and all(row["episode"][0]["by"] == "model" for row in rows)
+    assert all("".join(turn["text"] for turn in row["episode"]) == row["response"] for row in rows)
+    # The environment's "7\n" as the run's tokenizer reads it back (this one drops the newline).
+    assert all(turn["text"].startswith("7") for row in called for turn in row["episode"] if turn["by"] == "environment")
+
     resumed = tmp_path / "resumed"
     config = config_from_dict(multi_turn(resumed, load_dir=str(run_dir / "checkpoints" / "step_00000002")), "e2e")
     train(config, resume=True)

@@ -83,3 +83,16 @@ def test_files_are_whole_and_a_resumed_run_drops_the_steps_after_its_checkpoint(
     with caplog.at_level(logging.WARNING), RolloutRecorder(tmp_path / "blocked", LoggingConfig(), seed=0) as failing:
         failing.record_step(1, _rollouts())
     assert "writing rollout records failed" in caplog.text
+
+
+def test_an_episodes_row_holds_its_turns_in_order():
+    from dapo_megatron.run.rollout_records import episode_turns
+
+    sample = _sample(0, 0, True)
+    sample.response_ids, sample.model_mask = [1, 2, 3, 4, 5, 6], [1, 1, 0, 0, 1, 1]
+    decode = lambda ids: "".join(chr(96 + i) for i in ids)  # noqa: E731
+    assert episode_turns(sample, decode) == [
+        {"by": "model", "text": "ab"},
+        {"by": "environment", "text": "cd"},
+        {"by": "model", "text": "ef"},
+    ]
