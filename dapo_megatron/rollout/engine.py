@@ -77,6 +77,24 @@ class Generation:
     actor step they come from, as the last weight sync told the engine; -1: none)."""
 
 
+def stop_string_end(decode, tokens: list[int], stop_strings: tuple[str, ...]) -> Optional[int]:
+    """How many of ``tokens`` make up a response that stops on text: up to the first
+    token whose text (``decode(ids)``) completes one of ``stop_strings``; None when none
+    does. A longer prefix holds whatever a shorter one does: found by bisection."""
+
+    def holds(end: int) -> bool:
+        text = decode(tokens[:end])
+        return any(stop in text for stop in stop_strings)
+
+    if not stop_strings or not tokens or not holds(len(tokens)):
+        return None
+    low, high = 1, len(tokens)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if holds(middle) else (middle + 1, high)
+    return low
+
+
 @dataclass
 class StreamRow:
     """One response of a streamed group, as far as it has been generated."""

@@ -27,7 +27,7 @@ import torch
 
 from dapo_megatron.ckpt.mapping import ModelShape, fused_expert_param, fused_expert_view, hf_shapes
 from dapo_megatron.families import DEFAULT_MODEL_TYPE, family_named
-from dapo_megatron.rollout.engine import Generation, RolloutEngine, SamplingParams, StreamGroup
+from dapo_megatron.rollout.engine import Generation, RolloutEngine, SamplingParams, StreamGroup, stop_string_end
 from dapo_megatron.rollout.seeds import continuation_seed
 from dapo_megatron.weight_sync.bucket import SyncStats, WeightBucket, WeightSyncError
 
@@ -282,20 +282,9 @@ class HFRolloutEngine(RolloutEngine):
         return results
 
     def _stop_string_end(self, tokens: list[int], stop_strings: tuple[str, ...]) -> Optional[int]:
-        """How many of ``tokens`` make up the response when it stops on text: up to the
-        first token whose text completes one of ``stop_strings`` (None: none does)."""
-
-        def holds(end: int) -> bool:
-            text = self.tokenizer.decode(tokens[:end])
-            return any(stop in text for stop in stop_strings)
-
-        if not stop_strings or not holds(len(tokens)):
-            return None
-        low, high = 1, len(tokens)  # a longer prefix holds whatever a shorter one does
-        while low < high:
-            middle = (low + high) // 2
-            low, high = (low, middle) if holds(middle) else (middle + 1, high)
-        return low
+        """:func:`stop_string_end` with this engine's tokenizer (which a request without
+        stop strings may go without)."""
+        return stop_string_end(self.tokenizer.decode, tokens, stop_strings) if stop_strings else None
 
     # ------------------------------------------------------------------ streamed generation
 

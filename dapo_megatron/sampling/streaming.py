@@ -45,7 +45,7 @@ import torch
 
 from dapo_megatron.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_megatron.data import Prompt
-from dapo_megatron.rollout.engine import Generation, SamplingParams, StreamGroup, StreamRow
+from dapo_megatron.rollout.engine import Generation, SamplingParams, StreamGroup, StreamRow, stop_string_end
 from dapo_megatron.rollout.seeds import prompt_sampling_seeds
 from dapo_megatron.sampling.environments import Episode
 from dapo_megatron.sampling.episodes import EpisodeStats, Trajectory, episode_metrics, play_turns
@@ -556,22 +556,9 @@ def _end_at_first_stop(row: StreamRow, turn_start: int, stop_strings: tuple[str,
     for stop strings only in what one request generated (SGLang) misses one begun before
     an abort and completed in the request that continued the row; the tokens it sampled
     after it are not the model's turn."""
-    turn = row.token_ids[turn_start:]
-    if not stop_strings or not any(stop in tokenizer.decode(turn) for stop in stop_strings):
-        return
-    low, high = 1, len(turn)  # the shortest prefix that holds one
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (
-            (low, middle)
-            if any(stop in tokenizer.decode(turn[:middle]) for stop in stop_strings)
-            else (
-                middle + 1,
-                high,
-            )
-        )
-    keep = turn_start + low
-    if keep < len(row.token_ids):
+    end = stop_string_end(tokenizer.decode, row.token_ids[turn_start:], stop_strings)
+    if end is not None and turn_start + end < len(row.token_ids):
+        keep = turn_start + end
         del row.token_ids[keep:], row.log_probs[keep:], row.versions[keep:]
         row.finish_reason = "stop"
 
