@@ -140,15 +140,12 @@ class RoundSampler(Sampler):
             aborted += round_aborted
             timeouts += sum(s.timed_out for s in samples)
             errors += sum(s.reward_error for s in samples)
-            outcomes: dict = {}
-            for sample in samples:
-                outcomes.setdefault(sample.group_id, set()).add(sample.correct)
-            groups += len(outcomes)
-            all_equal += sum(len(o) == 1 for o in outcomes.values())
+            round_groups = _groups(samples)
+            equal = [group for group in round_groups if len({s.correct for s in group}) == 1]
+            groups += len(round_groups)
+            all_equal += len(equal)
             if a.dynamic_sampling:
-                for group in _groups(samples):
-                    if len({s.correct for s in group}) == 1:
-                        dropped.append((group, "all_right" if group[0].correct else "all_wrong"))
+                dropped += [(group, "all_right" if group[0].correct else "all_wrong") for group in equal]
             round_index += 1
             accumulator.add(samples, [float(s.correct) for s in samples])
         kept, _, sampling_metrics = accumulator.take()
