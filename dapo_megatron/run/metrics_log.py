@@ -43,6 +43,16 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def validation_course(validations: list[tuple[int, float]]) -> str:
+    """``first 55.0% (step 0), best 99.0% (step 20), last 98.0% (step 40)`` of
+    ``(step, accuracy)`` pairs in step order (the best: the earliest of the highest)."""
+    (first_step, first), (last_step, last) = validations[0], validations[-1]
+    best_step, best = max(validations, key=lambda pair: (pair[1], -pair[0]))
+    return (
+        f"first {first:.1%} (step {first_step}), best {best:.1%} (step {best_step}), last {last:.1%} (step {last_step})"
+    )
+
+
 def _step_of(line: str) -> float:
     try:
         return float(json.loads(line)["step"])

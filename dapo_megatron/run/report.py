@@ -25,7 +25,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from dapo_megatron.run.rollout_records import RECORDS_DIR
+from dapo_megatron.run.metrics_log import validation_course
+from dapo_megatron.run.rollout_records import RECORDS_DIR, record_step
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
 """The series' colors, in order (the browser test looks for the first in its screenshot)."""
@@ -126,9 +127,9 @@ def _records(run_dir: Path) -> dict[int, Path]:
     folder = run_dir / RECORDS_DIR
     found = {}
     for path in folder.glob("step_*.jsonl.gz") if folder.is_dir() else []:
-        number = path.name.split(".")[0].rsplit("_", 1)[-1]
-        if number.isdigit():
-            found[int(number)] = path
+        step = record_step(path)
+        if step is not None:
+            found[step] = path
     return dict(sorted(found.items()))
 
 
@@ -196,15 +197,8 @@ def render(run_dir: str | Path, steps: Optional[list[int]] = None) -> str:
     responses = "".join(
         _responses_section(step, _read_records(records[step])) for step in chosen_steps(list(records), steps)
     )
-    validations = [row for row in rows if "val/accuracy" in row]
-    val_line = ""
-    if validations:
-        best = max(validations, key=lambda r: (r["val/accuracy"], -r["step"]))
-        val_line = (
-            f"<p>Validation accuracy: first {validations[0]['val/accuracy']:.1%} (step {validations[0]['step']}), "
-            f"best {best['val/accuracy']:.1%} (step {best['step']}), last {validations[-1]['val/accuracy']:.1%} "
-            f"(step {validations[-1]['step']}).</p>"
-        )
+    validations = [(row["step"], row["val/accuracy"]) for row in rows if "val/accuracy" in row]
+    val_line = f"<p>Validation accuracy: {validation_course(validations)}.</p>" if validations else ""
     style = (
         "body{font-family:sans-serif;margin:24px;color:#222}"
         ".charts{display:flex;flex-wrap:wrap;gap:12px}.chart{margin:0;border:1px solid #ddd;padding:4px}"

@@ -85,6 +85,13 @@ def episode_turns(sample, decode) -> list[dict]:
     return turns
 
 
+def record_step(path: Path) -> Optional[int]:
+    """The step a records file is of (``step_000012.jsonl.gz``, ``val_step_000012...``:
+    12); None for another file."""
+    number = path.name.split(".")[0].rsplit("_", 1)[-1]
+    return int(number) if number.isdigit() else None
+
+
 def _sample_row(sample, kept: bool, dropped: Optional[str], decode=None) -> dict:
     versions = sample.token_versions or [sample.policy_version]
     row = {
@@ -194,8 +201,8 @@ class RolloutRecorder:
     def _drop_after(self, step: int) -> None:
         folder = self.run_dir / RECORDS_DIR
         for path in folder.glob("*.jsonl.gz") if folder.is_dir() else []:
-            number = path.name.split(".")[0].rsplit("_", 1)[-1]
-            if number.isdigit() and int(number) > step:
+            recorded = record_step(path)
+            if recorded is not None and recorded > step:
                 path.unlink()
 
     def wants(self, step: int) -> bool:

@@ -32,7 +32,7 @@ from dapo_megatron.config import Config, ConfigError
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.run.evaluation import Validation
-from dapo_megatron.run.metrics_log import MetricsLogger, duration
+from dapo_megatron.run.metrics_log import MetricsLogger, duration, validation_course
 from dapo_megatron.run.preflight import preflight
 from dapo_megatron.run.resume import RunCheckpoint
 from dapo_megatron.run.rollout_records import RECORDS_DIR, RolloutRecorder, step_rows
@@ -153,12 +153,7 @@ class TrainResult:
             first += f"; validation accuracy {self.val_before:.1%} -> {self.val_after:.1%}"
         lines = [first]
         if self.validations:
-            (s0, a0), (s1, a1) = self.validations[0], self.validations[-1]
-            best_step, best = max(self.validations, key=lambda v: (v[1], -v[0]))
-            lines.append(
-                f"validation accuracy: first {a0:.1%} (step {s0}), best {best:.1%} (step {best_step}), "
-                f"last {a1:.1%} (step {s1})"
-            )
+            lines.append(f"validation accuracy: {validation_course(self.validations)}")
         lines.append(
             f"checkpoints: {config.checkpoint_save_dir}"
             + (f" (last: {Path(self.last_checkpoint).name})" if self.last_checkpoint else " (none written)")
