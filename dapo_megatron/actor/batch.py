@@ -45,6 +45,12 @@ class PolicyBatch:
     default: 1."""
     ref_log_probs: Optional[torch.Tensor] = None
     """``[batch, seq]`` log-probs under the reference policy (the KL penalty's), or None."""
+    routed_experts: Optional[torch.Tensor] = None
+    """``[batch, seq, moe_layers, k]`` the experts the engine routed each input token to
+    (``rollout/routed_experts.py``; rollout routing replay), or None."""
+    routed_lengths: Optional[torch.Tensor] = None
+    """``[batch]`` how many positions of each row ``routed_experts`` covers (from the
+    first; the rest, such as the last token, which the engine never fed, are not replayed)."""
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2:
@@ -62,6 +68,15 @@ class PolicyBatch:
                 raise ValueError(
                     f"{name} must have shape {tuple(self.tokens.shape)} like tokens, got {tuple(value.shape)}"
                 )
+        if (self.routed_experts is None) != (self.routed_lengths is None):
+            raise ValueError("routed_experts and routed_lengths come together")
+        if self.routed_experts is not None and (
+            tuple(self.routed_experts.shape[:2]) != (batch, seq) or self.routed_experts.dim() != 4
+        ):
+            raise ValueError(
+                f"routed_experts must be [batch, seq, moe_layers, k] with [batch, seq] = {(batch, seq)}, got "
+                f"{tuple(self.routed_experts.shape)}"
+            )
         if batch and int(self.prompt_lengths.min()) < 1:
             raise ValueError("every row needs at least one prompt token (the first token is never predicted)")
         if batch and int((self.prompt_lengths + self.response_lengths).max()) > seq:
@@ -124,7 +139,7 @@ class PolicyBatch:
         """The same batch with the grid cut to its longest sequence."""
         longest = int(self.seq_lengths.max()) if self.num_rows else 0
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return replace(self, **{k: v[:, :longest] for k, v in values.items() if v is not None and v.dim() == 2})
+        return replace(self, **{k: v[:, :longest] for k, v in values.items() if v is not None and v.dim() >= 2})
 
     def split(self, num_parts: int) -> list[PolicyBatch]:
         """``num_parts`` consecutive equal parts (the mini-batches of a rollout batch)."""

@@ -58,6 +58,9 @@ class _MicroBatch:
     ref_log_probs: Optional[torch.Tensor] = None  # [n, W] the reference policy's (KL penalty), or None
     token_loss_mask: Optional[torch.Tensor] = None  # [b, L] the loss tokens on the token grid (packed only)
     packed_seq_params: object = None  # megatron's PackedSeqParams of a packed row (THD), or None
+    padding_mask: Optional[torch.Tensor] = None  # [b, L] bool, MoE: True where the routers' losses must not look
+    engine_experts: Optional[torch.Tensor] = None  # [b, L, moe_layers, k] the engine's routing (arange(k) elsewhere)
+    engine_routed: Optional[torch.Tensor] = None  # [b, L] bool: the positions the engine routed
 
     @property
     def input_loss_mask(self) -> torch.Tensor:
@@ -203,11 +206,13 @@ class MegatronActor:
             tokens = torch.zeros(len(rows), width, dtype=torch.long)
             used = min(width, batch.tokens.shape[1])
             tokens[:, :used] = batch.tokens[index, :used]
+            lengths = batch.seq_lengths[index].tolist()
             micro.append(
                 _MicroBatch(
                     tokens=tokens.to(self.device),
                     position_ids=torch.arange(width).expand(len(rows), width).to(self.device),
                     **self._sequence_grids(batch, mask, index, width),
+                    **self._router_inputs(batch, [(i, 0, row, lengths[i]) for i, row in enumerate(rows)], tokens.shape),
                 )
             )
         return micro
@@ -225,10 +230,11 @@ class MegatronActor:
             segments = packing.segments_of([lengths[i] for i in rows], width)
             tokens = torch.zeros(1, width, dtype=torch.long)
             token_loss_mask = torch.zeros(1, width)
-            start = 0
+            start, placements = 0, []
             for i in rows:
                 tokens[0, start : start + lengths[i]] = batch.tokens[i, : lengths[i]]
                 token_loss_mask[0, start : start + lengths[i]] = mask[i, : lengths[i]]
+                placements.append((0, start, i, lengths[i]))
                 start += lengths[i]
             micro.append(
                 _MicroBatch(
@@ -237,6 +243,7 @@ class MegatronActor:
                     token_loss_mask=token_loss_mask.to(self.device),
                     packed_seq_params=packing.packed_seq_params(segments, self.device),
                     **self._sequence_grids(batch, mask, index, max(lengths[i] for i in rows)),
+                    **self._router_inputs(batch, placements, tokens.shape),
                 )
             )
         return micro
@@ -263,11 +270,53 @@ class MegatronActor:
             "ref_log_probs": grid(batch.ref_log_probs),
         }
 
+    def _router_inputs(self, batch: PolicyBatch, placements: list[tuple[int, int, int, int]], shape) -> dict:
+        """What the routers of a mixture-of-experts model take for a micro-batch whose
+        token grid has ``shape`` and holds, for each ``(grid row, offset, batch row,
+        length)`` of ``placements``, a sequence of ``batch``: the padding mask (True where
+        no sequence is; megatron keeps those positions out of the load-balancing loss and
+        the z-loss) and, when the batch carries the engine's routing, that routing on the
+        grid with the positions it covers. Under ``model.routing_replay: rollout`` the
+        positions the engine did not route (a sequence's last token, which it never fed)
+        take experts ``0..k-1``, whose output no loss token reads, and are kept out of the
+        router losses too. Nothing for a dense model."""
+        if self.routing is None:
+            return {}
+        real = torch.zeros(shape, dtype=torch.bool)
+        for row, offset, _, length in placements:
+            real[row, offset : offset + length] = True
+        out = {"padding_mask": (~real).to(self.device)}
+        if batch.routed_experts is None:
+            return out
+        layers, k = batch.routed_experts.shape[2:]
+        experts = torch.arange(k, dtype=batch.routed_experts.dtype).expand(*shape, layers, k).clone()
+        routed = torch.zeros(shape, dtype=torch.bool)
+        for row, offset, index, _ in placements:
+            covered = int(batch.routed_lengths[index])
+            experts[row, offset : offset + covered] = batch.routed_experts[index, :covered]
+            routed[row, offset : offset + covered] = True
+        if self.model_config.routing_replay == "rollout":
+            out["padding_mask"] = (~(real & routed)).to(self.device)
+        return {**out, "engine_experts": experts.to(self.device), "engine_routed": routed.to(self.device)}
+
     def _forward(self, model, mb: _MicroBatch) -> torch.Tensor:
         """``model`` (the wrapped ``gpt``) on ``mb``'s tokens: hidden states ``[b, L, h]``."""
+        kwargs = {}
         if mb.packed_seq_params is not None:
-            return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
-        return model(mb.tokens, mb.position_ids, None)
+            kwargs["packed_seq_params"] = mb.packed_seq_params
+        if mb.padding_mask is not None:
+            kwargs["padding_mask"] = self._stage_padding_mask(mb.padding_mask)
+        return model(mb.tokens, mb.position_ids, None, **kwargs)
+
+    def _stage_padding_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The padding mask as this pipeline stage's routers read it: the first stage's
+        GPTModel scatters it over the sequence-parallel ranks itself, later stages
+        (megatron 0.16.1) pass it on as given, so they get their part of the sequence."""
+        if self.gpt.pre_process or not (self.parallel.sequence_parallel and self.parallel.tp_size > 1):
+            return mask
+        chunk = mask.shape[1] // self.parallel.tp_size
+        rank = self.runtime.tp_rank
+        return mask[:, rank * chunk : (rank + 1) * chunk].contiguous()
 
     def _update_micro_batches(self, batch: PolicyBatch, num_mini_batches: int) -> list[list[_MicroBatch]]:
         """The micro-batches of each of ``batch``'s ``num_mini_batches`` mini-batches, with
@@ -407,7 +456,14 @@ class MegatronActor:
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
             if routing is not None:
-                routing.micro_batch(next(index), mb.tokens, mb.input_loss_mask, filler=mb.rows.numel() == 0)
+                routing.micro_batch(
+                    next(index),
+                    mb.tokens,
+                    mb.input_loss_mask,
+                    filler=mb.rows.numel() == 0,
+                    engine_experts=mb.engine_experts,
+                    engine_routed=mb.engine_routed,
+                )
             hidden = self._forward(model, mb)
 
             def loss_func(output):
@@ -550,7 +606,14 @@ class MegatronActor:
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
             if routing is not None:
-                routing.micro_batch(next(index), mb.tokens, mb.input_loss_mask, filler=mb.rows.numel() == 0)
+                routing.micro_batch(
+                    next(index),
+                    mb.tokens,
+                    mb.input_loss_mask,
+                    filler=mb.rows.numel() == 0,
+                    engine_experts=mb.engine_experts,
+                    engine_routed=mb.engine_routed,
+                )
             hidden = self._forward(model, mb)
             if routing is not None:
                 routing.again_in_backward(hidden)

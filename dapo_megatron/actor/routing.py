@@ -24,11 +24,23 @@ Two things megatron's MoE layer leaves to the trainer:
   top-k experts changed since (routing instability: 0 on-policy, then the drift of the
   updates before it). Everything stays on the device until the pass ends (no
   synchronisation per layer), and comparisons are made only between the very same
-  micro-batches, which the actor's passes guarantee.
+  micro-batches, which the actor's passes guarantee. When the batch carries the engine's
+  routing (``model.routing_replay``), each pass also counts the positions the engine
+  routed whose top-k experts the actor's routers now pick otherwise
+  (``routing_changed_engine``).
+- **Routing replay** (``model.routing_replay``, megatron's ``RouterReplay``: a router in
+  ``REPLAY_FORWARD`` takes the experts it is given instead of its top-k, and gathers its
+  own scores at them). ``rollout``: every pass replays the engine's experts (positions it
+  did not route take experts ``0..k-1``, and are padding for the router losses).
+  ``old``: the old-log-prob pass routes on its own and records what it picked, per
+  micro-batch and layer; every update replays that. The experts are set with the
+  coefficients, so under recompute and pipelining the router reads the micro-batch's own
+  when it runs again in the backward.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -48,6 +60,19 @@ def routers_of(gpt) -> list:
     return [module for module in gpt.modules() if isinstance(module, TopKRouter)]
 
 
+@dataclass
+class _Current:
+    """The micro-batch the routers are about to run, in the routers' token order
+    (sequence-major, this rank's part of the sequence under sequence parallelism)."""
+
+    index: int  # its place in the step's order
+    tokens: torch.Tensor  # [b, L] its token grid (the identity check of the comparisons)
+    valid: torch.Tensor  # [tokens] bool: response (loss) tokens
+    filler: bool
+    engine_experts: Optional[torch.Tensor] = None  # [tokens, moe_layers, k] the engine's routing
+    engine_routed: Optional[torch.Tensor] = None  # [tokens] bool: the positions the engine routed
+
+
 def _tracker() -> dict:
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
@@ -58,7 +83,13 @@ class RoutingMonitor:
     """Router hooks and the router losses' scale for one actor's model."""
 
     def __init__(self, gpt, model_config, device, tp_rank: int, tp_size: int, sequence_parallel: bool) -> None:
+        from dapo_megatron.config import moe_layers
+
         self.routers = routers_of(gpt)
+        self.replay = model_config.routing_replay
+        pattern = moe_layers(model_config)
+        # A router's global layer number -> its MoE layer's place among the MoE layers.
+        self.ordinal = {layer + 1: sum(pattern[:layer]) for layer in range(len(pattern)) if pattern[layer]}
         self.config = gpt.config
         # Each loss's "off" as megatron tests it: the load-balancing loss is skipped when its
         # coefficient == 0, the z-loss only when it is None (0.0 would still compute a
@@ -71,13 +102,17 @@ class RoutingMonitor:
         self.device = device
         self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
         self.mode: Optional[str] = None  # "record" (old log-probs), "compare" (an update), or None
-        self.current: Optional[tuple[int, torch.Tensor, torch.Tensor, bool]] = None
+        self.current: Optional[_Current] = None
         self.recorded: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # routing_replay "old": each (micro-batch, layer)'s experts in the old-log-prob pass.
+        self.old_experts: dict[tuple[int, int], torch.Tensor] = {}
         self._seen: set[tuple[int, int]] = set()
         self._tracked_before: dict[int, dict[str, torch.Tensor]] = {}
         num_layers = gpt.config.num_layers
         self.counts = torch.zeros(num_layers, gpt.config.num_moe_experts, dtype=torch.float64, device=device)
         self.changed = torch.zeros(2, dtype=torch.float64, device=device)  # changed, compared
+        # Against the engine: changed, compared; response tokens replayed, response tokens.
+        self.engine_changed = torch.zeros(4, dtype=torch.float64, device=device)
         self.real_calls = 0
         # A random 63-bit key per expert: a token's expert set is the sum of its experts' keys.
         generator = torch.Generator().manual_seed(0)
@@ -92,25 +127,78 @@ class RoutingMonitor:
         update's with it."""
         self.mode, self._seen, self.real_calls = mode, set(), 0
         if mode == "record":
-            self.recorded = {}
+            self.recorded, self.old_experts = {}, {}
         self.counts.zero_()
         self.changed.zero_()
+        self.engine_changed.zero_()
+        if mode is None:
+            self.current = None
+            self._set_replay(None)
 
-    def micro_batch(self, index: int, tokens: torch.Tensor, loss_mask: torch.Tensor, filler: bool = False) -> None:
-        """The micro-batch about to run (``index``: its place in the step's order): its
-        tokens, which of its tokens are response tokens in the router's token order
-        (sequence-major, this rank's part of the sequence under sequence parallelism), and
-        whether it is a filler; sets the router losses' coefficients for it."""
-        valid = loss_mask.t()
+    def _router_order(self, grid: torch.Tensor) -> torch.Tensor:
+        """A ``[b, L, ...]`` grid in the routers' token order: sequence-major, this rank's
+        part of the sequence under sequence parallelism, flattened to ``[tokens, ...]``."""
+        ordered = grid.transpose(0, 1)
         if self.sequence_parallel and self.tp_size > 1:
-            chunk = valid.shape[0] // self.tp_size
-            valid = valid[self.tp_rank * chunk : (self.tp_rank + 1) * chunk]
-        self._activate((index, tokens, valid.reshape(-1).bool(), filler))
+            chunk = ordered.shape[0] // self.tp_size
+            ordered = ordered[self.tp_rank * chunk : (self.tp_rank + 1) * chunk]
+        return ordered.reshape(-1, *grid.shape[2:])
 
-    def _activate(self, current: tuple[int, torch.Tensor, torch.Tensor, bool]) -> None:
+    def micro_batch(
+        self,
+        index: int,
+        tokens: torch.Tensor,
+        loss_mask: torch.Tensor,
+        filler: bool = False,
+        engine_experts: Optional[torch.Tensor] = None,
+        engine_routed: Optional[torch.Tensor] = None,
+    ) -> None:
+        """The micro-batch about to run (``index``: its place in the step's order): its
+        tokens, which of them are response tokens, whether it is a filler and, when the
+        batch carries it, the engine's routing (``[b, L, moe_layers, k]``) and which
+        positions it covers; sets the router losses' coefficients and the experts to
+        replay for it."""
+        self._activate(
+            _Current(
+                index,
+                tokens,
+                self._router_order(loss_mask).bool(),
+                filler,
+                None if engine_experts is None else self._router_order(engine_experts),
+                None if engine_routed is None else self._router_order(engine_routed),
+            )
+        )
+
+    def _activate(self, current: _Current) -> None:
         self.current = current
         for name, value in self.scaled.items():
-            setattr(self.config, name, FILLER_COEFFICIENT if current[3] and value else value)
+            setattr(self.config, name, FILLER_COEFFICIENT if current.filler and value else value)
+        self._set_replay(current)
+
+    def _set_replay(self, current: Optional[_Current]) -> None:
+        """Each router's replay for ``current``: the experts it takes, or its own top-k."""
+        for router in self.routers:
+            replay = router.router_replay
+            if replay is None:
+                continue
+            replay.clear_indices()
+            experts = self._replayed_experts(current, router.layer_number) if current is not None else None
+            if experts is None:
+                replay.clear_router_replay_action()
+            else:
+                from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+                replay.set_target_indices(experts)
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _replayed_experts(self, current: _Current, layer_number: int) -> Optional[torch.Tensor]:
+        if current.filler or self.mode is None:
+            return None
+        if self.replay == "rollout" and current.engine_experts is not None:
+            return current.engine_experts[:, self.ordinal[layer_number]].long()
+        if self.replay == "old" and self.mode == "compare":
+            return self.old_experts.get((current.index, layer_number - 1))
+        return None
 
     def again_in_backward(self, output: torch.Tensor) -> None:
         """Make the current micro-batch current again when the backward reaches
@@ -125,7 +213,7 @@ class RoutingMonitor:
 
     def _pre_hook(self, router, inputs) -> None:
         # A filler's losses are kept out of megatron's tracker: remember the layer's values.
-        if self.current is not None and self.current[3]:
+        if self.current is not None and self.current.filler:
             self._tracked_before[router.layer_number] = {
                 name: entry["values"].clone() for name, entry in _tracker().items() if "values" in entry
             }
@@ -133,7 +221,8 @@ class RoutingMonitor:
     def _hook(self, router, inputs, outputs) -> None:
         if self.current is None:
             return
-        index, tokens, valid, filler = self.current
+        current = self.current
+        index, tokens, valid, filler = current.index, current.tokens, current.valid, current.filler
         if filler:
             for name, values in self._tracked_before.pop(router.layer_number, {}).items():
                 _tracker()[name]["values"].copy_(values)
@@ -146,6 +235,21 @@ class RoutingMonitor:
         self._seen.add((index, layer))
         self.real_calls += 1
         routing_map = outputs[1].detach()
+        if self.replay == "old" and self.mode == "record":
+            # Exactly k experts a token (no capacity limit), in a row-major order.
+            self.old_experts[(index, layer)] = routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1)
+        if current.engine_experts is not None:
+            engine = torch.zeros_like(routing_map).scatter_(
+                1, current.engine_experts[:, self.ordinal[router.layer_number]].long(), True
+            )
+            routed = current.engine_routed
+            counted = [((engine != routing_map).any(-1) & routed).sum(), routed.sum()]
+            if router.layer_number == min(self.ordinal):  # once per token: at the model's first MoE layer
+                replayed = (routed & valid).sum() if self.replay == "rollout" else torch.zeros((), device=self.device)
+                counted += [replayed, valid.sum()]
+            else:
+                counted += [torch.zeros((), device=self.device)] * 2
+            self.engine_changed += torch.stack([value.to(torch.float64) for value in counted])
         routed = routing_map[valid.to(routing_map.device)]
         self.counts[layer] += routed.sum(0).to(torch.float64)
         sampled = routed[:SAMPLED_TOKENS]
@@ -198,11 +302,12 @@ class RoutingMonitor:
                 [values.sum() / calls, torch.tensor(len(self.routers) / share, device=self.device, dtype=torch.float64)]
             )
         clear_aux_losses_tracker()
-        totals = torch.cat([self.counts.reshape(-1), self.changed, balance])
+        totals = torch.cat([self.counts.reshape(-1), self.changed, balance, self.engine_changed])
         dist.all_reduce(totals)
         totals = totals.cpu()
         counts = totals[: self.counts.numel()].reshape(self.counts.shape)
-        changed, compared, balance_sum, balance_layers = totals[self.counts.numel() :].tolist()
+        changed, compared, balance_sum, balance_layers, *engine = totals[self.counts.numel() :].tolist()
+        engine_changed, engine_compared, replayed, response_tokens = engine
         per_layer = counts.max(-1).values / counts.mean(-1).clamp(min=1e-12)
         routed = counts.sum(-1) > 0
         out = {
@@ -211,6 +316,10 @@ class RoutingMonitor:
         }
         if compared:
             out["moe_routing_changed"] = changed / compared
+        if engine_compared:
+            out["moe_routing_changed_engine"] = engine_changed / engine_compared
+        if self.replay == "rollout" and response_tokens:
+            out["moe_replayed_share"] = replayed / response_tokens
         if balance_layers:
             out["moe_load_balancing_loss"] = balance_sum / balance_layers
         return out

@@ -174,6 +174,10 @@ def _merge_routing(routings: list[dict[str, float]]) -> dict[str, float]:
     }
     if later:
         merged.update({"moe/routing_changed": sum(later) / len(later), "moe/routing_changed_max": max(later)})
+    if "moe_routing_changed_engine" in routings[0]:  # the first update routes as the old-log-prob pass did
+        merged["moe/routing_changed_engine"] = routings[0]["moe_routing_changed_engine"]
+    if "moe_replayed_share" in routings[0]:
+        merged["moe/replayed_share"] = sum(r.get("moe_replayed_share", 0.0) for r in routings) / len(routings)
     if "moe_load_balancing_loss" in routings[0]:
         merged["moe/load_balancing_loss"] = sum(r["moe_load_balancing_loss"] for r in routings) / len(routings)
     return merged

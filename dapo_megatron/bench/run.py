@@ -42,7 +42,7 @@ from dapo_megatron.bench.flops import decode_flops, forward_flops, linear_shapes
 from dapo_megatron.bench.phases import PHASES
 from dapo_megatron.bench.workloads import reward_mix
 from dapo_megatron.ckpt.mapping import ModelShape
-from dapo_megatron.config import Config, ConfigError
+from dapo_megatron.config import Config, ConfigError, engine_routing
 from dapo_megatron.runtime.measure import copy_bytes_per_s, peak_memory_bytes, reset_peak_memory
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class _Bench:
 
         d, r = self.config.data, self.config.rollout
         prompts = self.loader.next_batch(d.gen_batch_size or d.train_batch_size)
-        sampling = training_sampling(self.config.rollout, self.tokenizer)
+        sampling = training_sampling(self.config.rollout, self.tokenizer, engine_routing(self.config.model))
         return prompts, round_sampling(sampling, r.seed, 0, round_index, len(prompts), r.n_samples_per_prompt)
 
     def generate(self, measure: bool) -> None:
@@ -351,7 +351,10 @@ class _Bench:
         from dapo_megatron.sampling.rounds import training_sampling
 
         stepper = StepRunner(
-            self.system, self.loader, training_sampling(self.config.rollout, self.tokenizer), self.tokenizer
+            self.system,
+            self.loader,
+            training_sampling(self.config.rollout, self.tokenizer, engine_routing(self.config.model)),
+            self.tokenizer,
         )
         steps: list[dict] = []
         counter = iter(range(1, 1_000_000))

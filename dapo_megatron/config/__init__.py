@@ -18,6 +18,7 @@ from dapo_megatron.config.io import ConfigError
 from dapo_megatron.config.loading import PATH_KEYS, config_from_dict, load_config, source_of
 from dapo_megatron.config.model import (
     ModelConfig,
+    engine_routing,
     moe_layers,
     padded_vocab_size,
     read_hf_model_shape,
@@ -49,6 +50,7 @@ __all__ = [
     "RolloutConfig",
     "TrainerConfig",
     "config_from_dict",
+    "engine_routing",
     "load_config",
     "moe_layers",
     "padded_vocab_size",

@@ -89,6 +89,17 @@ class ModelConfig:
     """Coefficient of the router z-loss (the squared log-sum-exp of the router logits,
     megatron's ``moe_z_loss_coeff``); 0 turns it off. This and the other expert keys are
     refused on a dense family (they would do nothing)."""
+    routing_replay: Literal["off", "measure", "rollout", "old"] = "off"
+    """Mixture-of-experts routing between the engine and the actor (refused on a dense
+    family unless ``off``). ``off``: each routes on its own. ``measure``: the engine
+    returns each token's experts and the actor reports how many of its tokens it routes
+    elsewhere (``moe/routing_changed_engine``), without replaying them. ``rollout``
+    (rollout routing replay, R3): the actor's routers take the engine's experts in the
+    old-log-prob pass and every update, so a token's log-prob is computed through the
+    experts that sampled it; the routers still learn through their probabilities. ``old``:
+    the actor replays in every update the experts it chose itself in the old-log-prob pass
+    (the engine returns nothing). Costs host memory: ``moe_layers x moe_router_topk`` bytes
+    per token (``plan`` counts it)."""
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times ``parallel.tp_size``; padded
     entries never produce a token or a log-prob."""
@@ -158,6 +169,12 @@ def moe_layers(model: ModelConfig) -> list[bool]:
     dense = set(model.mlp_only_layers or [])
     step = model.decoder_sparse_step or 1
     return [i not in dense and (i + 1) % step == 0 for i in range(model.num_layers)]
+
+
+def engine_routing(model: ModelConfig) -> bool:
+    """Whether the engine returns the experts it routed each token to
+    (``model.routing_replay`` ``measure`` or ``rollout``)."""
+    return model.routing_replay in ("measure", "rollout")
 
 
 def hf_aux_loss_per_layer(router_aux_loss_coef: float, output_router_logits: bool, topk: int, moe_layers: int) -> float:

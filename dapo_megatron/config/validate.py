@@ -236,6 +236,8 @@ def _validate_experts(config: Config, fail) -> None:
             for name in EXPERT_SETTINGS
             if getattr(m, name) is not None and not (name in _ROUTER_LOSSES and getattr(m, name) == 0)
         ]
+        if m.routing_replay != "off":
+            ignored.append("routing_replay")
         if ignored:
             keys = tuple(f"model.{name}" for name in ignored)
             moe_families = ", ".join(name for name, family in families().items() if family.moe)

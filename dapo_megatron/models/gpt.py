@@ -135,6 +135,7 @@ def _moe_settings(model: ModelConfig, use_te: bool) -> dict:
         "moe_expert_capacity_factor": None,
         # The router in fp32, as HF computes its softmax in float whatever the weights.
         "moe_router_dtype": "fp32",
+        "moe_enable_routing_replay": model.routing_replay in ("rollout", "old"),
         "moe_grouped_gemm": use_te,
         "moe_permute_fusion": False,
         # Experts in every layer (1), or a 0/1 per layer (HF mlp_only_layers and

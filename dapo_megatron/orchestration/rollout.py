@@ -32,7 +32,7 @@ from typing import Optional
 import ray
 import torch
 
-from dapo_megatron.config import Config
+from dapo_megatron.config import Config, engine_routing, moe_layers
 from dapo_megatron.models.gpt import params_dtype
 from dapo_megatron.orchestration.cluster import separate_cpu_cores
 from dapo_megatron.orchestration.group_calls import (
@@ -253,6 +253,7 @@ def _build_engine(config: Config, index: int, weights_dir: Optional[str] = None,
         dtype=str(dtype).removeprefix("torch."),  # SGLang's names: float32, bfloat16
         # The trainer's engines get every weight from the actor before they generate.
         load_format="auto" if weights_dir is not None else "dummy",
+        moe_layers=(moe_layers(config.model), config.model.num_experts) if engine_routing(config.model) else None,
     )
 
 

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+import torch
+
 from dapo_megatron.weight_sync.bucket import SyncStats, WeightBucket, WeightSyncError, with_last_flag
 
 
@@ -48,6 +50,9 @@ class SamplingParams:
     :func:`~dapo_megatron.rollout.seeds.sampling_seeds`: distinct for every (step, round, prompt, sample) of a run. An
     engine that samples rows with their own seeds (SGLang) uses them; one that seeds a
     whole request (transformers) uses the first."""
+    return_routed_experts: bool = False
+    """Return the experts a mixture-of-experts model routed every token to
+    (``Generation.routed_experts``; ``model.routing_replay``)."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
@@ -75,6 +80,9 @@ class Generation:
     weight_version: int = -1
     """The version of the weights the engine held when it sampled this response (the
     actor step they come from, as the last weight sync told the engine; -1: none)."""
+    routed_experts: Optional[torch.Tensor] = None
+    """With ``return_routed_experts``: ``[positions, moe_layers, k]`` expert ids of the
+    prompt's and the response's tokens but the last (``rollout/routed_experts.py``)."""
 
 
 def stop_string_end(decode, tokens: list[int], stop_strings: tuple[str, ...]) -> Optional[int]:
@@ -116,6 +124,9 @@ class StreamRow:
     """Multi-turn episodes: where the model's current turn begins in ``token_ids`` (after
     the last observation). The request's stop strings are looked for from there on, never
     in what the environment wrote."""
+    routed_experts: Optional[torch.Tensor] = None
+    """With ``return_routed_experts``: the routing record of the prompt and the tokens so
+    far (``rollout/routed_experts.py``), each position as routed when it was sampled from."""
 
 
 @dataclass

@@ -21,13 +21,16 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
 
 from dapo_megatron.ckpt.mapping import ModelShape, fused_expert_param, fused_expert_view, hf_shapes
 from dapo_megatron.families import DEFAULT_MODEL_TYPE, family_named
+from dapo_megatron.rollout import routed_experts
 from dapo_megatron.rollout.engine import Generation, RolloutEngine, SamplingParams, StreamGroup, stop_string_end
+from dapo_megatron.rollout.routed_experts import RoutingRecorder
 from dapo_megatron.rollout.seeds import continuation_seed
 from dapo_megatron.weight_sync.bucket import SyncStats, WeightBucket, WeightSyncError
 
@@ -207,18 +210,20 @@ class HFRolloutEngine(RolloutEngine):
         rows = [prompt for prompt in prompts for _ in range(n)]
         seed = params.row_seeds[0] if params.row_seeds else params.seed
         results = []
-        for i, (ids, log_probs, reason) in enumerate(self._sample(rows, params, params.max_new_tokens, seed)):
+        for i, (ids, log_probs, reason, routed) in enumerate(self._sample(rows, params, params.max_new_tokens, seed)):
             text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
-            results.append(Generation(i // n, ids, log_probs, reason, text))
+            results.append(Generation(i // n, ids, log_probs, reason, text, routed_experts=routed))
         return results
 
     @torch.no_grad()
     def _sample(
         self, rows: list[list[int]], params: SamplingParams, max_new_tokens: int, seed: Optional[int]
-    ) -> list[tuple[list[int], list[float], str]]:
+    ) -> list[tuple[list[int], list[float], str, Optional[torch.Tensor]]]:
         """Up to ``max_new_tokens`` new tokens after each row, one ``generate`` call for all
-        (seeded with ``seed``); each row's tokens, their sampling log-probs and why it
-        stopped (``length``: the tokens ran out, not necessarily the response's limit)."""
+        (seeded with ``seed``); each row's tokens, their sampling log-probs, why it
+        stopped (``length``: the tokens ran out, not necessarily the response's limit) and,
+        with ``params.return_routed_experts``, its routing record (the row's input and
+        its tokens but the last; ``rollout/routed_experts.py``)."""
         from transformers import GenerationConfig
 
         if self.released:
@@ -254,7 +259,8 @@ class HFRolloutEngine(RolloutEngine):
             text_stop["stopping_criteria"] = StoppingCriteriaList(
                 [_StopOnText(self.tokenizer, params.stop_strings, width)]
             )
-        with torch.random.fork_rng(devices=[]):
+        recorder = RoutingRecorder(self.model, len(rows)) if params.return_routed_experts else nullcontext()
+        with torch.random.fork_rng(devices=[]), recorder:
             if seed is not None:  # one generator for the whole request
                 torch.manual_seed(seed)
             out = self.model.generate(
@@ -279,7 +285,10 @@ class HFRolloutEngine(RolloutEngine):
             if text_end is not None:
                 length, reason = text_end, "stop"
             results.append((tokens[:length], log_probs[i, :length].tolist(), reason))
-        return results
+        if not params.return_routed_experts:
+            return [(*result, None) for result in results]
+        routed = recorder.rows([len(p) for p in rows], width, [len(result[0]) for result in results])
+        return [(*result, routing) for result, routing in zip(results, routed)]
 
     def _stop_string_end(self, tokens: list[int], stop_strings: tuple[str, ...]) -> Optional[int]:
         """:func:`stop_string_end` with this engine's tokenizer (which a request without
@@ -315,12 +324,15 @@ class HFRolloutEngine(RolloutEngine):
             inputs = [group.prompt_ids + row.token_ids for group, row in active]
             stop = {*params.stop_token_ids, *self.eos_token_ids}
             longest = max((len(text.encode()) for text in params.stop_strings), default=0)
-            for (_, row), (ids, log_probs, reason) in zip(active, self._sample(inputs, params, chunk, seed)):
+            for (group, row), (ids, log_probs, reason, routed) in zip(
+                active, self._sample(inputs, params, chunk, seed)
+            ):
                 room = params.max_new_tokens - len(row.token_ids)
                 ids, log_probs = ids[:room], log_probs[:room]
                 row.token_ids += ids
                 row.log_probs += log_probs
                 row.versions += [version] * len(ids)
+                row.routed_experts = routed_experts.extended(row.routed_experts, routed)
                 # A stop string may have begun in an earlier chunk (a token holds at least a
                 # byte of text: it began at most its length in bytes before this chunk).
                 start = max(row.turn_start, len(row.token_ids) - len(ids) - longest)
@@ -333,6 +345,9 @@ class HFRolloutEngine(RolloutEngine):
                     row.finish_reason = "stop"
                 elif len(row.token_ids) >= params.max_new_tokens:
                     row.finish_reason = "length"
+                row.routed_experts = routed_experts.cut(
+                    row.routed_experts, len(group.prompt_ids) + len(row.token_ids) - 1
+                )
         done = [group for group in self._stream if group.done]
         self._stream = [group for group in self._stream if not group.done]
         return done

@@ -90,6 +90,7 @@ from typing import Any, Optional
 
 import torch
 
+from dapo_megatron.rollout import routed_experts
 from dapo_megatron.rollout.engine import Generation, RolloutEngine, SamplingParams, StreamGroup
 from dapo_megatron.rollout.seeds import continuation_seed
 from dapo_megatron.weight_sync.bucket import SyncStats, WeightBucket, WeightSyncError, flat_bucket, with_last_flag
@@ -118,7 +119,7 @@ SGLANG_API: dict[str, dict[str, tuple[str, ...]]] = {
         "resume_memory_occupation": ("tags",),
         "get_server_info": (),
         "shutdown": (),
-        "async_generate": ("input_ids", "sampling_params", "return_logprob", "rid"),
+        "async_generate": ("input_ids", "sampling_params", "return_logprob", "rid", "return_routed_experts"),
     },
     "sglang.srt.managers.tokenizer_manager:TokenizerManager": {
         "abort_request": ("rid",),
@@ -145,6 +146,7 @@ SGLANG_SERVER_ARGS = (
     "enable_deterministic_inference",
     "dtype",
     "load_format",
+    "enable_return_routed_experts",
 )
 # Keys of SGLang's per-request sampling_params dict used below.
 SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop", "sampling_seed")
@@ -249,6 +251,32 @@ def request_refusal(exc: BaseException) -> Optional[str]:
     return None
 
 
+def routed_experts_of_meta(meta: dict, moe_layers: list[bool], num_experts: int) -> Optional[torch.Tensor]:
+    """SGLang's routed experts of one answer as this project's record
+    (``rollout/routed_experts.py``): ``meta_info['routed_experts']`` is base64 of int32
+    ``[prompt_tokens + completion_tokens - 1, num_hidden_layers, k]`` (every decoder layer,
+    dense ones as zeros; logical expert ids, before any expert-location remapping), sent
+    once, when the request finishes or is aborted while running. ``moe_layers``: which
+    layers are MoE layers (:func:`~dapo_megatron.config.moe_layers`); only theirs are kept,
+    in the smallest integer type that holds an id. None when absent."""
+    import base64
+
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        return None
+    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+    rows = int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1
+    if rows <= 0:
+        return None
+    if flat.numel() % (rows * len(moe_layers)):
+        raise ValueError(
+            f"SGLang sent {flat.numel()} routed-expert ids for {rows} positions x {len(moe_layers)} layers: "
+            "not a whole number of experts per token (an engine serving another model?)"
+        )
+    routed = flat.reshape(rows, len(moe_layers), -1)
+    return routed[:, [i for i, sparse in enumerate(moe_layers) if sparse]].to(routed_experts.routing_dtype(num_experts))
+
+
 def finish_reason_of(meta: dict) -> str:
     """``stop``, ``length`` or ``abort`` from SGLang's ``meta_info['finish_reason']``."""
     reason = meta.get("finish_reason") or {}
@@ -292,6 +320,9 @@ class SGLangRolloutEngine(RolloutEngine):
         load_format: SGLang's; ``"dummy"`` allocates the weights without reading them (the
             trainer's engines: the actor's first sync overwrites every weight, and reading a
             32B checkpoint per engine at every start and requeue costs minutes).
+        moe_layers: a mixture-of-experts model's layers (True for an MoE layer, as
+            :func:`~dapo_megatron.config.moe_layers` gives them) and its number of experts: the engine is started with SGLang's routed-experts
+            capture and answers ``return_routed_experts`` requests (``model.routing_replay``).
     """
 
     def __init__(
@@ -306,6 +337,7 @@ class SGLangRolloutEngine(RolloutEngine):
         enable_memory_saver: bool = True,
         deterministic: bool = False,
         load_format: str = "auto",
+        moe_layers: Optional[tuple[list[bool], int]] = None,
     ) -> None:
         check_engine_process()
         try:
@@ -325,7 +357,9 @@ class SGLangRolloutEngine(RolloutEngine):
             enable_deterministic_inference=deterministic,
             dtype=dtype,
             load_format=load_format,
+            enable_return_routed_experts=moe_layers is not None,
         )
+        self.moe_layers = moe_layers
         self.tp_size = tp_size
         self.released = False
         self.consistent = True
@@ -336,6 +370,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self._session: Optional[dict] = None
         self._stream_groups: dict[int, StreamGroup] = {}  # streamed groups in flight, by key
         self._stream_tasks: dict[str, tuple] = {}  # request id -> (task, group key, row)
+        self._stream_params_route = False  # the streamed requests ask for routed experts
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Generation]:
         if not prompts or n < 1:
@@ -345,7 +380,9 @@ class SGLangRolloutEngine(RolloutEngine):
         # One request per row (not SGLang's batch call, where one refused row fails all).
         tasks = [
             self._engine.loop.create_task(
-                self._engine.async_generate(input_ids=row, sampling_params=sampling, return_logprob=True)
+                self._engine.async_generate(
+                    input_ids=row, sampling_params=sampling, return_logprob=True, **self._routing_request(params)
+                )
             )
             for row, sampling in zip(rows, row_sampling_params(params, len(rows)))
         ]
@@ -361,11 +398,30 @@ class SGLangRolloutEngine(RolloutEngine):
                 continue
             meta = out["meta_info"]
             log_probs = [entry[0] for entry in meta["output_token_logprobs"]]
-            results.append(
-                Generation(i // n, list(out["output_ids"]), log_probs, finish_reason_of(meta), out.get("text"))
-            )
+            generation = Generation(i // n, list(out["output_ids"]), log_probs, finish_reason_of(meta), out.get("text"))
+            if params.return_routed_experts:
+                generation.routed_experts = self._routed_experts(meta, len(rows[i]) + len(generation.token_ids) - 1)
+            results.append(generation)
         _log_refusals(refused, len(rows))
         return results
+
+    def _routing_request(self, params: SamplingParams) -> dict:
+        """The request's routed-experts keyword, when it asks for them (an engine started
+        without the capture refuses: SGLang would silently return none)."""
+        if not params.return_routed_experts:
+            return {}
+        if self.moe_layers is None:
+            raise ValueError(
+                "return_routed_experts: this SGLang engine was started without moe_layers (no routed-experts capture)"
+            )
+        return {"return_routed_experts": True}
+
+    def _routed_experts(self, meta: dict, positions: int) -> Optional[torch.Tensor]:
+        """The routing record of an answer (:func:`routed_experts_of_meta`), cut to
+        ``positions`` (the tokens kept); None when SGLang sent none (a request aborted
+        while it was still queued)."""
+        layers, num_experts = self.moe_layers
+        return routed_experts.cut(routed_experts_of_meta(meta, layers, num_experts), positions)
 
     # ------------------------------------------------------------------ streamed generation
 
@@ -381,6 +437,7 @@ class SGLangRolloutEngine(RolloutEngine):
         """Submit every unfinished row of ``groups`` as a request of its own, continuing
         after the tokens it holds (SGLang's prefix cache reuses the prompt's)."""
         self._check_servable()
+        self._stream_params_route = params.return_routed_experts
         for group in groups:
             self._stream_groups[group.key] = group
             for index, row in enumerate(group.rows):
@@ -393,7 +450,11 @@ class SGLangRolloutEngine(RolloutEngine):
                     "sampling_seed": continuation_seed(row.seed, len(row.token_ids)),
                 }
                 coroutine = self._engine.async_generate(
-                    input_ids=group.prompt_ids + row.token_ids, sampling_params=sampling, return_logprob=True, rid=rid
+                    input_ids=group.prompt_ids + row.token_ids,
+                    sampling_params=sampling,
+                    return_logprob=True,
+                    rid=rid,
+                    **self._routing_request(params),
                 )
                 self._stream_tasks[rid] = (self._engine.loop.create_task(coroutine), group.key, index)
 
@@ -468,6 +529,12 @@ class SGLangRolloutEngine(RolloutEngine):
             row.token_ids += ids
             row.log_probs += log_probs[: len(ids)]
             row.versions += [version] * len(ids)
+            if self._stream_params_route:
+                prompt = len(self._stream_groups[key].prompt_ids)
+                positions = prompt + len(row.token_ids) - 1
+                row.routed_experts = routed_experts.cut(
+                    routed_experts.extended(row.routed_experts, self._routed_experts(meta, positions)), positions
+                )
             reason = finish_reason_of(meta)
             if not (aborting and reason == "abort"):
                 row.finish_reason = reason

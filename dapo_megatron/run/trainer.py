@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from dapo_megatron.ckpt.convert import export_hf
-from dapo_megatron.config import Config, ConfigError
+from dapo_megatron.config import Config, ConfigError, engine_routing
 from dapo_megatron.orchestration.actor_group import ActorGroup
 from dapo_megatron.orchestration.rollout import RolloutWorkers
 from dapo_megatron.run.evaluation import Validation
@@ -200,7 +200,11 @@ def train(
     with ExitStack() as stack:
         system = start_system(config, run_dir, stack)
         stepper = StepRunner(
-            system, loader, training_sampling(config.rollout, tokenizer), tokenizer, checkpoints.start_step
+            system,
+            loader,
+            training_sampling(config.rollout, tokenizer, engine_routing(config.model)),
+            tokenizer,
+            checkpoints.start_step,
         )
         checkpoints.restore(system.actor, stepper)
         if reference is not None:

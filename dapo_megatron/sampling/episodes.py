@@ -26,8 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+import torch
+
 from dapo_megatron.config import RolloutConfig
 from dapo_megatron.data import Prompt
+from dapo_megatron.rollout import routed_experts
 from dapo_megatron.rollout.engine import Generation, SamplingParams
 from dapo_megatron.rollout.seeds import continuation_seed, sampling_seeds
 from dapo_megatron.sampling.environments.base import Environment, Episode, Observation
@@ -147,6 +150,9 @@ class Trajectory:
     """The environment's score of the episode, when it gives one."""
     weight_version: int = -1
     """The oldest weight version that sampled one of its turns."""
+    routed_experts: Optional[torch.Tensor] = None
+    """With routing records (``model.routing_replay``): the prompt's and every token's but
+    the last, as routed when the turn they belong to was sampled (``rollout/routed_experts.py``)."""
 
     @property
     def observation_tokens(self) -> int:
@@ -214,13 +220,14 @@ def run_episodes(
             )
             contexts = [list(prompts[t.prompt_index].token_ids) + t.token_ids for t in turn]
             played = []
-            for row, budget, generation in zip(active, budgets, generate(contexts, request)):
+            for row, budget, context, generation in zip(active, budgets, contexts, generate(contexts, request)):
                 if len(generation.token_ids) > budget:
                     generation = replace(
                         generation,
                         token_ids=generation.token_ids[:budget],
                         log_probs=generation.log_probs[:budget],
                         finish_reason="length",
+                        routed_experts=routed_experts.cut(generation.routed_experts, len(context) + budget - 1),
                     )
                 played.append((trajectories[row], episodes[row], generation))
             play_turns(played, environment, tokenizer, stop, max_turns, max_tokens, framing)
@@ -267,6 +274,7 @@ def _append_turn(trajectory: Trajectory, generation: Generation, tokenizer) -> O
     trajectory.token_ids += ids
     trajectory.log_probs += list(generation.log_probs)
     trajectory.model_mask += [1] * len(ids)
+    trajectory.routed_experts = routed_experts.extended(trajectory.routed_experts, generation.routed_experts)
     trajectory.turn_ends.append(len(trajectory.token_ids))
     trajectory.turns += 1
     if trajectory.weight_version < 0 or 0 <= generation.weight_version < trajectory.weight_version:

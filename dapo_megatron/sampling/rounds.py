@@ -36,10 +36,18 @@ from dapo_megatron.sampling.samples import (
 from dapo_megatron.sampling.streaming import StreamingSampler
 
 
-def training_sampling(rollout: RolloutConfig, tokenizer) -> SamplingParams:
-    """``rollout.*``: the sampling of training rollouts (stopping at the tokenizer's EOS)."""
+def training_sampling(rollout: RolloutConfig, tokenizer, routed_experts: bool = False) -> SamplingParams:
+    """``rollout.*``: the sampling of training rollouts (stopping at the tokenizer's EOS);
+    ``routed_experts``: with each token's experts (``model.routing_replay``)."""
     r = rollout
-    return SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_length, (tokenizer.eos_token_id,))
+    return SamplingParams(
+        r.temperature,
+        r.top_p,
+        r.top_k,
+        r.max_response_length,
+        (tokenizer.eos_token_id,),
+        return_routed_experts=routed_experts,
+    )
 
 
 def round_sampling(

@@ -69,6 +69,9 @@ class Sample:
     environment_reward: Optional[float] = None
     """Multi-turn episodes: the environment's score, when it gave one (it replaces the
     reward function's)."""
+    routed_experts: Optional[torch.Tensor] = None
+    """With ``model.routing_replay``: the experts the engine routed the prompt's and the
+    response's tokens to (``[positions, moe_layers, k]``, ``rollout/routed_experts.py``)."""
 
     @property
     def reward(self) -> float:
@@ -94,6 +97,7 @@ def samples_from_generations(
                 finish_reason=generation.finish_reason,
                 text=text,
                 policy_version=generation.weight_version,
+                routed_experts=generation.routed_experts,
             )
         )
     return samples
@@ -118,6 +122,7 @@ def samples_from_trajectories(
             model_mask=list(t.model_mask),
             episode=t.stats,
             environment_reward=t.reward,
+            routed_experts=t.routed_experts,
         )
         for t in trajectories
     ]
@@ -188,7 +193,24 @@ def build_policy_batch(samples: list[Sample], algorithm: AlgorithmConfig) -> Pol
     if algorithm.overlong_filter:
         truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         batch.loss_mask = overlong_filter_mask(batch.response_mask(), truncated)
+    records = [s.routed_experts for s in samples]
+    if any(record is not None for record in records):
+        batch.routed_experts, batch.routed_lengths = routing_grid(records, width)
     return batch
+
+
+def routing_grid(records: list[Optional[torch.Tensor]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples' routing records on the token grid (``[batch, width, moe_layers, k]``,
+    zeros past each record) and how many positions each covers (0 for a sample without)."""
+    first = next(record for record in records if record is not None)
+    grid = torch.zeros((len(records), width, *first.shape[1:]), dtype=first.dtype)
+    lengths = torch.zeros(len(records), dtype=torch.long)
+    for row, record in enumerate(records):
+        if record is not None:
+            used = min(len(record), width)
+            grid[row, :used] = record[:used]
+            lengths[row] = used
+    return grid, lengths
 
 
 def engine_log_prob_grid(samples: list[Sample], batch: PolicyBatch) -> torch.Tensor:
@@ -312,6 +334,8 @@ def samples_record(samples: list[Sample], extra: dict) -> dict:
             record[key] = [
                 None if getattr(s, key) is None else torch.tensor(getattr(s, key), dtype=dtype) for s in samples
             ]
+    if any(s.routed_experts is not None for s in samples):
+        record["routed_experts"] = [s.routed_experts for s in samples]
     return record
 
 
@@ -357,5 +381,7 @@ def samples_from_record(record: dict, path="the record") -> tuple[list[Sample], 
         for key in _PER_TOKEN_FIELDS:
             values = record[key][i] if key in record else None
             setattr(samples[-1], key, None if values is None else values.tolist())
+        if "routed_experts" in record:
+            samples[-1].routed_experts = record["routed_experts"][i]
         start += length
     return samples, record["extra"]

@@ -45,6 +45,7 @@ import torch
 
 from dapo_megatron.algo.dynamic_sampling import DynamicSamplingExhausted
 from dapo_megatron.data import Prompt
+from dapo_megatron.rollout import routed_experts
 from dapo_megatron.rollout.engine import Generation, SamplingParams, StreamGroup, StreamRow, stop_string_end
 from dapo_megatron.rollout.seeds import prompt_sampling_seeds
 from dapo_megatron.sampling.environments import Episode
@@ -317,6 +318,9 @@ class StreamingSampler(Sampler):
                     continue  # ended in an earlier turn
                 held = len(trajectory.token_ids)
                 _end_at_first_stop(row, held, self._stream_sampling.stop_strings, self.tokenizer)
+                row.routed_experts = routed_experts.cut(
+                    row.routed_experts, len(item.group.prompt_ids) + len(row.token_ids) - 1
+                )
                 turn = Generation(
                     0,
                     row.token_ids[held:],
@@ -391,6 +395,7 @@ class StreamingSampler(Sampler):
                 text=self.tokenizer.decode(row.token_ids, skip_special_tokens=True),
                 policy_version=min(row.versions) if row.versions else -1,
                 token_versions=list(row.versions),
+                routed_experts=row.routed_experts,
             )
             if item.trajectories is not None:  # as rounds make an episode's sample
                 trajectory = item.trajectories[row_index]
@@ -487,6 +492,7 @@ class StreamingSampler(Sampler):
                             "versions": torch.tensor(row.versions, dtype=torch.int64),
                             "finish_reason": row.finish_reason or "",
                             "turn_start": row.turn_start,
+                            "routed_experts": row.routed_experts,
                         }
                         for row in item.group.rows
                     ],
@@ -516,6 +522,7 @@ class StreamingSampler(Sampler):
                     row["versions"].tolist(),
                     row["finish_reason"] or None,
                     row.get("turn_start", 0),
+                    row.get("routed_experts"),
                 )
                 for row in item["rows"]
             ]

@@ -46,6 +46,27 @@ def reference_batch(observed: bool = False):
     return batch
 
 
+def random_routing(batch, moe_layers: int, num_experts: int, topk: int, seed: int = 8) -> None:
+    """Give ``batch`` a routing record as an engine would (``model.routing_replay``): every
+    position of each row but its last, each MoE layer, ``topk`` distinct experts drawn at
+    random (not what any router would pick, so a replay that is ignored cannot pass)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, width = batch.tokens.shape
+    scores = torch.rand(rows, width, moe_layers, num_experts, generator=gen)
+    batch.routed_experts = scores.topk(topk, dim=-1).indices.to(torch.uint8)
+    batch.routed_lengths = batch.seq_lengths - 1
+
+
+def replay_grid(batch) -> torch.Tensor:
+    """``[rows, seq, moe_layers, k]`` the experts the actor replays at every position of
+    ``batch``'s grid: the record where it covers a row, experts ``0..k-1`` elsewhere."""
+    k = batch.routed_experts.shape[-1]
+    grid = torch.arange(k).expand(batch.routed_experts.shape).clone()
+    for row, covered in enumerate(batch.routed_lengths.tolist()):
+        grid[row, :covered] = batch.routed_experts[row, :covered].long()
+    return grid
+
+
 class RowCountDependentGemms(torch.overrides.TorchFunctionMode):
     """A BLAS whose results depend on how many rows a GEMM has, as some CPUs' kernels do
     (an AMD EPYC machine gave old and new log-probs 1.2e-8 apart): every matmul's output
@@ -143,13 +164,15 @@ def dapo_step_with_gradients(
     ep_size: int = 1,
     mlp_only_layers: tuple[int, ...] = (),
     observed: bool = False,
+    replay: bool = False,
 ) -> None:
     """``row_dependent_gemms``: run the whole step under :class:`RowCountDependentGemms`
     (only the first update's ratio is then checked). ``kl_type``: with the KL penalty of
     that estimator (coefficient ``KL_COEF``) to the reference policy in ``hf_ref_tied*``.
     ``ep_size``: experts over that many expert-parallel ranks (a family with experts);
     ``mlp_only_layers``: its layers that keep a dense MLP; ``observed``: the batch holds
-    observation tokens out of the loss (:func:`reference_batch`)."""
+    observation tokens out of the loss (:func:`reference_batch`); ``replay``: rollout routing
+    replay of a random routing record (:func:`random_routing`)."""
     if row_dependent_gemms:
         with RowCountDependentGemms():
             return dapo_step_with_gradients(workdir, tp_size, pp_size, dp_size, weighted, family=family)
@@ -158,10 +181,17 @@ def dapo_step_with_gradients(
     cfg.parallel.use_distributed_optimizer = True
     if kl_type is not None:
         cfg.algorithm.use_kl_loss, cfg.algorithm.kl_loss_coef, cfg.algorithm.kl_loss_type = True, KL_COEF, kl_type
+    if replay:
+        cfg.model.routing_replay = "rollout"
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
         for tied in (False, True):
             cfg.model.tie_word_embeddings = tied
             batch = reference_batch(observed)
+            if replay:
+                from dapo_megatron.config import moe_layers
+
+                layers = sum(moe_layers(cfg.model))
+                random_routing(batch, layers, cfg.model.num_experts, cfg.model.moe_router_topk)
             saved = _step_capturing_gradients(
                 cfg, info, workdir, f"hf_tied{int(tied)}", batch, dp_size, weighted, kl_type
             )

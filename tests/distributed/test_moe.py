@@ -125,18 +125,16 @@ def test_routing_metrics_do_not_depend_on_the_layout(moe_run):
     """The same weights and batch at ep 2 x dp 2 and at tp 2 x ep 2 x dp 2 (each
     tensor-parallel rank routing its part of the sequence): the first update's metrics
     agree, the load-balancing loss being summed over those parts, not averaged (a mean
-    would halve it). That loss agrees to a few percent only: megatron routes and counts
-    every token of a micro-batch, padding included, and under sequence parallelism rows
-    are padded to a multiple of tp (the token counts, over response tokens only, agree
-    exactly)."""
+    would halve it). Under sequence parallelism rows are padded to a multiple of tp; the
+    padding mask the actor gives megatron keeps padding out of the router losses, so the
+    loss, and with it the gradient, agree to float rounding."""
     ep2, tp2 = (torch.load(moe_run / f"{tag}.pt", weights_only=False)["metrics"][0] for tag in ("ep2", "tp2"))
     assert tp2["moe_routing_changed"] == 0.0
     for name in ("moe_tokens_per_expert_max_over_mean", "moe_tokens_per_expert_max_over_mean_worst_layer"):
         assert tp2[name] == ep2[name], name
-    assert abs(tp2["moe_load_balancing_loss"] - ep2["moe_load_balancing_loss"]) <= 0.05 * ep2["moe_load_balancing_loss"]
+    assert abs(tp2["moe_load_balancing_loss"] - ep2["moe_load_balancing_loss"]) <= 1e-6 * ep2["moe_load_balancing_loss"]
     assert (
-        abs(tp2["loss"] - ep2["loss"]) <= 1e-6
-        and abs(tp2["grad_norm"] - ep2["grad_norm"]) <= 1e-3 * ep2["grad_norm"]  # the aux loss share (padding)
+        abs(tp2["loss"] - ep2["loss"]) <= 1e-6 and abs(tp2["grad_norm"] - ep2["grad_norm"]) <= 1e-5 * ep2["grad_norm"]
     )
 
 

@@ -14,6 +14,8 @@ checked against an independent number.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -82,9 +84,43 @@ def _by_checkpoint_name(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return named
 
 
-def _log_probs(model, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=tokens).logits  # [rows, seq, vocab], float64
+def _log_probs(model, tokens: torch.Tensor, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's log-prob under ``model``; with ``experts`` (``[rows, seq, moe_layers,
+    k]``), its routers take those experts (:func:`_replaying`)."""
+    with _replaying(model, experts):
+        logits = model(input_ids=tokens).logits  # [rows, seq, vocab], float64
     return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+@contextlib.contextmanager
+def _replaying(model, experts: torch.Tensor | None):
+    """transformers' MoE routers (``mlp.gate``) made to route every token to the given
+    experts, their weights the softmax of the router's logits renormalised over them
+    (HF's ``norm_topk_prob``), as megatron's replay gathers its scores."""
+    if experts is None:
+        yield
+        return
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    assert len(gates) == experts.shape[2]
+
+    def replayed(gate, ordinal):
+        def forward(hidden_states):
+            logits = torch.nn.functional.linear(hidden_states.reshape(-1, gate.hidden_dim), gate.weight)
+            indices = experts[:, :, ordinal].reshape(-1, experts.shape[-1])
+            weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, indices)
+            if gate.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights.to(logits.dtype), indices
+
+        return forward
+
+    for ordinal, gate in enumerate(gates):
+        gate.forward = replayed(gate, ordinal)
+    try:
+        yield
+    finally:
+        for gate in gates:
+            del gate.forward
 
 
 def _kl(log_probs: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
@@ -96,13 +132,15 @@ def _kl(log_probs: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def _reference_loss(
-    model, batch, rows, reference=None, kl_type=None, on_policy=False
+    model, batch, rows, reference=None, kl_type=None, on_policy=False, replay=True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DAPO's token-level loss over ``rows``, in float64 (plus ``KL_COEF`` x the token mean
     of the KL estimate to the float64 ``reference`` model): returns (loss, ratios, mask).
-    ``on_policy``: the old log-probs are the model's own (ratio exactly 1), not the batch's."""
+    ``on_policy``: the old log-probs are the model's own (ratio exactly 1), not the batch's.
+    A batch with a routing record is routed by it (``replay``: unless turned off)."""
     tokens = batch.tokens[rows]
-    log_probs = _log_probs(model, tokens)
+    experts = reference_worker.replay_grid(batch)[rows] if batch.routed_experts is not None and replay else None
+    log_probs = _log_probs(model, tokens, experts)
     mask = batch.response_mask()[rows][:, 1:].bool()  # targets at positions 1..; none in column 0
     old = log_probs.detach() if on_policy else batch.old_log_probs[rows][:, 1:].double()
     advantages = batch.advantages[rows].double()[:, None].expand_as(log_probs)
@@ -127,18 +165,29 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("family", "tp_size", "pp_size", "dp_size", "weighted", "kl_type", "ep_size", "mlp_only_layers", "observed"),
+    (
+        "family",
+        "tp_size",
+        "pp_size",
+        "dp_size",
+        "weighted",
+        "kl_type",
+        "ep_size",
+        "mlp_only_layers",
+        "observed",
+        "replay",
+    ),
     [
-        ("qwen2", 2, 2, 1, False, None, 1, (), True),
-        ("qwen2", 1, 2, 2, False, None, 1, (), True),
-        ("qwen2", 2, 1, 2, True, None, 1, (), False),
-        ("qwen2", 1, 2, 2, False, "k3", 1, (), False),
-        ("qwen2", 2, 1, 2, False, "k1", 1, (), False),
-        ("qwen3", 2, 1, 1, False, None, 1, (), True),
-        ("qwen3", 1, 2, 1, False, None, 1, (), True),
-        ("qwen3_moe", 1, 1, 2, False, None, 2, (), True),
-        ("qwen3_moe", 2, 1, 2, False, None, 2, (), False),
-        ("qwen3_moe", 1, 2, 2, False, None, 2, (1,), False),
+        ("qwen2", 2, 2, 1, False, None, 1, (), True, False),
+        ("qwen2", 1, 2, 2, False, None, 1, (), True, False),
+        ("qwen2", 2, 1, 2, True, None, 1, (), False, False),
+        ("qwen2", 1, 2, 2, False, "k3", 1, (), False, False),
+        ("qwen2", 2, 1, 2, False, "k1", 1, (), False, False),
+        ("qwen3", 2, 1, 1, False, None, 1, (), True, False),
+        ("qwen3", 1, 2, 1, False, None, 1, (), True, False),
+        ("qwen3_moe", 1, 1, 2, False, None, 2, (), True, True),
+        ("qwen3_moe", 2, 1, 2, False, None, 2, (), False, True),
+        ("qwen3_moe", 1, 2, 2, False, None, 2, (1,), False, False),
     ],
     ids=[
         "tp2-pp2-observations",
@@ -148,13 +197,13 @@ def _merged(saved: list[dict], key: str, index: int) -> dict[str, torch.Tensor]:
         "tp2-dp2-kl-k1",
         "qwen3-tp2-observations",
         "qwen3-pp2-observations",
-        "qwen3moe-ep2-dp2-observations",
-        "qwen3moe-tp2-ep2-dp2",
+        "qwen3moe-ep2-dp2-observations-routing-replay",
+        "qwen3moe-tp2-ep2-dp2-routing-replay",
         "qwen3moe-dense-layer-pp2-ep2-dp2",
     ],
 )
 def test_dapo_gradients_equal_an_independent_float64_reference(
-    tmp_path, family, tp_size, pp_size, dp_size, weighted, kl_type, ep_size, mlp_only_layers, observed
+    tmp_path, family, tp_size, pp_size, dp_size, weighted, kl_type, ep_size, mlp_only_layers, observed, replay
 ):
     """With ``weighted``, the batch carries rollout-correction weights (TIS values, some
     capped, and MIS zeros) that the reference multiplies into its token losses. With
@@ -168,7 +217,10 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
     dense layers among the MoE ones (megatron's per-layer specs and checkpoint keys), here
     over two pipeline stages. With ``observed``, the batch holds observation tokens of
     multi-turn episodes (``rollout.env``): in the context, out of the loss and its token
-    count; the reference that trains them too is far from the actor (the negative control)."""
+    count; the reference that trains them too is far from the actor (the negative control).
+    With ``replay``, rollout routing replay: the batch carries a routing record of random
+    experts (not what any router picks), which the float64 model is given too; the float64
+    model routing on its own is far from the actor (the negative control)."""
     for tied in (False, True):
         # (Seeds for which no off-policy ratio sits within 1e-4 of a clip boundary.)
         dense = {"mlp_only_layers": list(mlp_only_layers)} if mlp_only_layers else {}
@@ -194,6 +246,7 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
             ep_size,
             mlp_only_layers,
             observed,
+            replay,
         ),
     )
     for tied in (False, True):
@@ -210,6 +263,29 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
             holes = (batch.response_mask() == 0) & (batch._response_region() == 1)
             assert int(holes.sum()) == 2 * sum(int(n) >= 5 for n in batch.response_lengths)
             _assert_training_observations_is_far(tmp_path, stages, batch, f"hf_tied{int(tied)}", tied)
+        if replay:
+            # Every response token is replayed but each row's last, which the engine never fed.
+            rows = batch.num_rows // reference_worker.NUM_MINI_BATCHES
+            mask = batch.response_mask()[:rows]
+            routed = torch.arange(mask.shape[1]) < batch.routed_lengths[:rows, None]
+            expected = float((mask * routed).sum().double() / mask.sum().double())
+            assert expected < 1.0 and stages[-1]["metrics"][0]["moe_replayed_share"] == pytest.approx(
+                expected, abs=1e-12
+            )
+            _assert_routing_on_its_own_is_far(tmp_path, stages, batch, f"hf_tied{int(tied)}", tied)
+
+
+def _assert_routing_on_its_own_is_far(tmp_path, stages, batch, hf_folder, tied) -> None:
+    """Negative control: the float64 reference of the first mini-batch routing on its own
+    (not replaying the batch's record) is far from the actor's loss and gradients."""
+    rows = list(range(batch.num_rows // reference_worker.NUM_MINI_BATCHES))
+    model = _float64_model(tmp_path / hf_folder, tied, None)
+    loss, _, _ = _reference_loss(model, batch, rows, on_policy=True, replay=False)
+    loss.backward()
+    actor_gradients = _merged(stages, "gradients", 0)
+    reference = _by_checkpoint_name({name: p.grad for name, p in model.named_parameters()})
+    errors = [float((actor_gradients[n].double() - g).norm() / g.norm()) for n, g in reference.items()]
+    assert max(errors) > 1e3 * RELATIVE_TOLERANCE, max(errors)
 
 
 def _assert_training_observations_is_far(tmp_path, stages, batch, hf_folder, tied) -> None:
