@@ -381,7 +381,10 @@ class SGLangRolloutEngine(RolloutEngine):
         tasks = [
             self._engine.loop.create_task(
                 self._engine.async_generate(
-                    input_ids=row, sampling_params=sampling, return_logprob=True, **self._routing_request(params)
+                    input_ids=row,
+                    sampling_params=sampling,
+                    return_logprob=True,
+                    return_routed_experts=self._routing_request(params),
                 )
             )
             for row, sampling in zip(rows, row_sampling_params(params, len(rows)))
@@ -405,16 +408,14 @@ class SGLangRolloutEngine(RolloutEngine):
         _log_refusals(refused, len(rows))
         return results
 
-    def _routing_request(self, params: SamplingParams) -> dict:
-        """The request's routed-experts keyword, when it asks for them (an engine started
-        without the capture refuses: SGLang would silently return none)."""
-        if not params.return_routed_experts:
-            return {}
-        if self.moe_layers is None:
+    def _routing_request(self, params: SamplingParams) -> bool:
+        """Whether the request asks for its routed experts (an engine started without the
+        capture refuses: SGLang would silently answer without them)."""
+        if params.return_routed_experts and self.moe_layers is None:
             raise ValueError(
                 "return_routed_experts: this SGLang engine was started without moe_layers (no routed-experts capture)"
             )
-        return {"return_routed_experts": True}
+        return params.return_routed_experts
 
     def _routed_experts(self, meta: dict, positions: int) -> Optional[torch.Tensor]:
         """The routing record of an answer (:func:`routed_experts_of_meta`), cut to
@@ -454,7 +455,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     sampling_params=sampling,
                     return_logprob=True,
                     rid=rid,
-                    **self._routing_request(params),
+                    return_routed_experts=self._routing_request(params),
                 )
                 self._stream_tasks[rid] = (self._engine.loop.create_task(coroutine), group.key, index)
 

@@ -609,3 +609,18 @@ def test_sglangs_qwen_models_cannot_hand_their_weights_back():
     ]:
         cls = find_class(parse(path), name)
         assert "get_weights_by_name" not in {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}, name
+
+
+def test_routed_experts_come_as_base64_int32_of_every_position_but_the_last():
+    """What :func:`sglang_engine.routed_experts_of_meta` decodes, as the wheel writes it:
+    the capture's buffers are int32, the detokenizer sends each request's tensor as
+    base64 of its raw bytes, SGLang's own reader takes int32 back, and the record covers
+    ``[routed_experts_start_len, seqlen - 1)`` (the wrapper asks from 0)."""
+    capturer = wheel().read("sglang/srt/state_capturer/routed_experts.py").decode()
+    assert "dtype=torch.int32" in capturer and "dtype=np.int32" in capturer
+    detokenizer = wheel().read("sglang/srt/managers/detokenizer_manager.py").decode()
+    assert "b64encode(item.numpy().tobytes())" in detokenizer
+    request = find_class(parse("sglang/srt/managers/io_struct.py"), "GenerateReqInput")
+    fields = {node.target.id: node for node in request.body if isinstance(node, ast.AnnAssign)}
+    assert ast.literal_eval(fields["routed_experts_start_len"].value) == 0
+    assert "`[routed_experts_start_len, seqlen - 1)`" in wheel().read("sglang/srt/managers/io_struct.py").decode()

@@ -17,6 +17,7 @@ is only built in an engine process.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import sys
 import types
@@ -45,18 +46,34 @@ class StandInEngine:
         self.finished_at_abort: set[int] = set()  # seeds whose request had finished when the abort came
         self.group = None
         self.received: list = []
+        self.answers = 0
         self.loop = asyncio.new_event_loop()
         self.tokenizer_manager = StandInTokenizerManager()
         self.streamed: list = []  # (rid, input_ids, sampling_params) of every async_generate
 
-    async def async_generate(self, input_ids, sampling_params, return_logprob, rid=None):
+    async def async_generate(self, input_ids, sampling_params, return_logprob, rid=None, return_routed_experts=False):
         """One token (id 5) per millisecond up to max_new_tokens ("length"), or, once
         ``rid`` is aborted, the tokens so far with SGLang's plain abort reason. A request
         whose seed is in ``reject`` raises that exception (as the tokenizer manager does for
         an input-length rejection or an abort with an HTTP status); one in ``lost_aborts``
         ignores its abort; one in ``finished_at_abort`` has all its tokens once aborted (it
-        finished in the scheduler before the abort was read)."""
+        finished in the scheduler before the abort was read). With ``return_routed_experts``
+        (and the server's capture on), the answer carries SGLang 0.5.23's record: base64 of
+        int32 ``[prompt + completion - 1, 3 layers, 2]``, position ``p`` of layer ``l``
+        routed to ``(p + l + version) % 4`` and ``(p + l + version + 1) % 4``, where
+        ``version`` counts this engine's answers (another answer: other weights)."""
         self.streamed.append((rid, list(input_ids), dict(sampling_params)))
+        answer = await self._generate(input_ids, sampling_params, rid)
+        if return_routed_experts and self.server_args.get("enable_return_routed_experts"):
+            meta = answer["meta_info"]
+            meta["prompt_tokens"], meta["completion_tokens"] = len(input_ids), len(answer["output_ids"])
+            positions = torch.arange(len(input_ids) + len(answer["output_ids"]) - 1)[:, None, None]
+            routed = (positions + torch.arange(3)[None, :, None] + torch.arange(2) + self.answers) % 4
+            meta["routed_experts"] = base64.b64encode(routed.to(torch.int32).numpy().tobytes()).decode()
+        self.answers += 1
+        return answer
+
+    async def _generate(self, input_ids, sampling_params, rid):
         seed = sampling_params.get("sampling_seed")
         if seed in self.reject:
             await asyncio.sleep(0.001)
@@ -574,3 +591,44 @@ def test_an_sglang_engine_reports_no_peak_memory_and_refuses_to_export_its_weigh
     }
     assert _row("generate", record)[4] == "3.00 GiB (engines: n/a)"
     assert _row("generate", {**record, "peak_memory_bytes_engine": 5 * 2**30})[4] == "5.00 GiB"
+
+
+def routed(positions: range, answer: int) -> torch.Tensor:
+    """The stand-in's record of ``positions`` in its ``answer``-th answer, MoE layers 0 and 2."""
+    p = torch.tensor(list(positions))[:, None, None]
+    return ((p + torch.tensor([0, 2])[None, :, None] + torch.arange(2) + answer) % 4).to(torch.uint8)
+
+
+def test_routed_experts_of_a_row_cut_and_continued_keep_each_position_of_its_first_answer(monkeypatch):
+    """Layers 0 and 2 of 3 are MoE layers: the record keeps theirs. A row aborted and
+    continued keeps the routing its prefix was sampled with; the continuation adds only
+    the positions after it. An engine started without the capture refuses such a request
+    (SGLang would answer without them)."""
+    from dapo_megatron.rollout.engine import StreamGroup, StreamRow
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=StandInEngine))
+    monkeypatch.setenv(sglang_engine.ENGINE_PROCESS_ENV, str(os.getpid()))
+    engine = SGLangRolloutEngine("/model", moe_layers=([True, False, True], 4))
+    assert engine._engine.server_args["enable_return_routed_experts"] is True
+    params = SamplingParams(temperature=1.0, max_new_tokens=10_000, return_routed_experts=True)
+    engine.stream_wait_s = 0.02
+    group = StreamGroup(3, [1, 2, 3], [StreamRow(11)])
+    engine.stream_add([group], params)
+    engine.stream_step(64, version=1)
+    (cut,) = engine.stream_abort(version=1)
+    row = cut.rows[0]
+    held = len(row.token_ids)
+    assert held > 0 and torch.equal(row.routed_experts, routed(range(3 + held - 1), 0))
+    engine.stream_add([cut], params)
+    engine.stream_step(64, version=2)
+    (cut,) = engine.stream_abort(version=2)
+    assert len(row.token_ids) > held and len(row.routed_experts) == 3 + len(row.token_ids) - 1
+    assert torch.equal(row.routed_experts[: 3 + held - 1], routed(range(3 + held - 1), 0))
+    assert torch.equal(row.routed_experts[3 + held - 1 :], routed(range(3 + held - 1, len(row.routed_experts)), 1))
+    engine._engine.finish = {"type": "stop", "matched": 1}
+    (generation,) = engine.generate([[4, 5]], params)
+    assert torch.equal(generation.routed_experts, routed(range(3), engine._engine.answers - 1))
+    without = SGLangRolloutEngine("/model")
+    assert "enable_return_routed_experts" in without._engine.server_args
+    with pytest.raises(ValueError, match="without moe_layers"):
+        without.generate([[4, 5]], params)
