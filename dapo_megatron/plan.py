@@ -411,10 +411,13 @@ class HostEstimate:
     """One transformers engine: fp32 weights, KV cache, process overhead."""
     available: int
     """This machine's physical memory."""
+    routing_records: int = 0
+    """The routing records of a step (``model.routing_replay``), held by the driver and by
+    every actor rank (:func:`routing_record_bytes`)."""
 
     @property
     def total(self) -> int:
-        return self.ranks * self.rank_bytes + self.engines * self.engine_bytes
+        return self.ranks * self.rank_bytes + self.engines * self.engine_bytes + (self.ranks + 1) * self.routing_records
 
 
 def machine_memory_bytes() -> int:
@@ -570,7 +573,26 @@ def estimate_host_memory(config: Config, memory: MemoryEstimate) -> HostEstimate
         engines=-(-r.num_engines // p.num_nodes),
         engine_bytes=memory.hf_engine + CPU_PROCESS_BYTES,
         available=machine_memory_bytes(),
+        routing_records=routing_record_bytes(config)[1],
     )
+
+
+def routing_record_bytes(config: Config) -> tuple[int, int]:
+    """Host memory of the engine's routing records (``model.routing_replay`` ``measure`` or
+    ``rollout``): per token (``moe_layers x moe_router_topk`` ids of one or two bytes), and
+    for a step: the batch's responses at their longest, as the actor's padded grid, plus
+    the groups a streamed run holds in flight and carries (``max_prompts_in_flight``)."""
+    from dapo_megatron.config import engine_routing, moe_layers
+    from dapo_megatron.rollout.routed_experts import bytes_per_token
+
+    m, r, d = config.model, config.rollout, config.data
+    if not engine_routing(m):
+        return 0, 0
+    per_token = bytes_per_token(m.num_experts, sum(moe_layers(m)), m.moe_router_topk)
+    prompts = d.train_batch_size + (r.max_prompts_in_flight or d.gen_batch_size or d.train_batch_size) * (
+        2 if r.streaming else 0
+    )
+    return per_token, per_token * prompts * r.n_samples_per_prompt * (r.max_prompt_length + r.max_response_length)
 
 
 @dataclass
@@ -881,6 +903,16 @@ def _episodes_line(rollout) -> str:
     )
 
 
+def _routing_line(config: Config) -> str:
+    """What ``plan`` says of the engine's routing records (``model.routing_replay``)."""
+    per_token, step = routing_record_bytes(config)
+    return (
+        f"routing records (model.routing_replay={config.model.routing_replay}): {per_token} bytes per token; "
+        f"{step / GIB:.2f} GiB of host memory for a step's responses at their longest (and the groups in flight), "
+        "on the driver and again on each actor rank"
+    )
+
+
 def format_plan(plan: Plan) -> str:
     """The table ``dapo-megatron plan`` prints."""
     c, mem, host = plan.config, plan.memory, plan.host
@@ -913,6 +945,7 @@ def format_plan(plan: Plan) -> str:
         f"recompute={c.model.recompute_activations}{expert_layout}",
         f"rollout: {engines}",
         *([_episodes_line(c.rollout)] if c.rollout.env is not None else []),
+        *([_routing_line(c)] if routing_record_bytes(c)[0] else []),
         f"{where} ({mem.parameters:,} parameters):",
         row(f"weights ({dtype})", mem.weights),
         *([row(f"KL reference policy ({dtype}, frozen)", mem.reference)] if mem.reference else []),

@@ -98,8 +98,9 @@ class ModelConfig:
     old-log-prob pass and every update, so a token's log-prob is computed through the
     experts that sampled it; the routers still learn through their probabilities. ``old``:
     the actor replays in every update the experts it chose itself in the old-log-prob pass
-    (the engine returns nothing). Costs host memory: ``moe_layers x moe_router_topk`` bytes
-    per token (``plan`` counts it)."""
+    (the engine returns nothing; refused with ``algorithm.use_rollout_log_probs``, which
+    skips that pass). ``measure`` and ``rollout`` cost host memory: ``moe_layers x
+    moe_router_topk`` bytes per token (``plan`` counts it)."""
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times ``parallel.tp_size``; padded
     entries never produce a token or a log-prob."""

@@ -277,6 +277,13 @@ def _validate_experts(config: Config, fail) -> None:
             f"parallel.ep_size={p.ep_size} must divide model.num_experts={m.num_experts}"
             + _nearest(_divisors(m.num_experts), p.ep_size, "parallel.ep_size"),
         )
+    if m.routing_replay == "old" and config.algorithm.use_rollout_log_probs:
+        fail(
+            ("model.routing_replay", "algorithm.use_rollout_log_probs"),
+            "model.routing_replay=old replays the routing of the actor's old-log-prob pass, which "
+            "algorithm.use_rollout_log_probs=true skips: use model.routing_replay=rollout (the engine's routing), "
+            "or compute the old log-probs",
+        )
     stage_ranks = p.tp_size * p.cp_size * p.data_parallel_size
     if stage_ranks % p.ep_size:
         valid = [e for e in _divisors(m.num_experts) if stage_ranks % e == 0]

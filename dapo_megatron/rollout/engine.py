@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-import torch
+import numpy as np
 
 from dapo_megatron.weight_sync.bucket import SyncStats, WeightBucket, WeightSyncError, with_last_flag
 
@@ -80,7 +80,7 @@ class Generation:
     weight_version: int = -1
     """The version of the weights the engine held when it sampled this response (the
     actor step they come from, as the last weight sync told the engine; -1: none)."""
-    routed_experts: Optional[torch.Tensor] = None
+    routed_experts: Optional[np.ndarray] = None
     """With ``return_routed_experts``: ``[positions, moe_layers, k]`` expert ids of the
     prompt's and the response's tokens but the last (``rollout/routed_experts.py``)."""
 
@@ -124,7 +124,7 @@ class StreamRow:
     """Multi-turn episodes: where the model's current turn begins in ``token_ids`` (after
     the last observation). The request's stop strings are looked for from there on, never
     in what the environment wrote."""
-    routed_experts: Optional[torch.Tensor] = None
+    routed_experts: Optional[np.ndarray] = None
     """With ``return_routed_experts``: the routing record of the prompt and the tokens so
     far (``rollout/routed_experts.py``), each position as routed when it was sampled from."""
 

@@ -9,9 +9,10 @@ the engine returns what it picked, and the actor's routers take those experts in
 their own top-k (their probabilities stay the actor's own softmax over the replayed
 experts, so gradients still reach the router).
 
-The record of one sequence is a tensor ``[positions, moe_layers, k]`` of expert ids
-(``uint8`` up to 256 experts, ``int16`` beyond: 8 layers x 8 experts of Qwen3-30B-A3B's
-48 cost 384 bytes a token), where position ``p`` is the input token ``p`` of prompt +
+The record of one sequence is a numpy array ``[positions, moe_layers, k]`` of expert ids
+(``uint8`` up to 256 experts, ``int16`` beyond: Qwen3-30B-A3B's 48 layers x top 8 cost 384
+bytes a token; numpy, not torch, because records cross between processes by the hundred
+and a small torch tensor pickles about 45 times slower than an array), where position ``p`` is the input token ``p`` of prompt +
 response and the entry is what routed it when the engine computed the distribution of
 token ``p + 1``. It covers a prefix: every position up to the one before the last token
 (the engine never feeds the last sampled token back). A response continued after an
@@ -27,12 +28,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 
-def routing_dtype(num_experts: int) -> torch.dtype:
+def routing_dtype(num_experts: int) -> np.dtype:
     """The smallest integer type that holds an expert id of ``num_experts``."""
-    return torch.uint8 if num_experts <= 256 else torch.int16
+    return np.dtype(np.uint8 if num_experts <= 256 else np.int16)
 
 
 def bytes_per_token(num_experts: int, moe_layers: int, topk: int) -> int:
@@ -40,17 +42,17 @@ def bytes_per_token(num_experts: int, moe_layers: int, topk: int) -> int:
     return moe_layers * topk * (1 if num_experts <= 256 else 2)
 
 
-def extended(held: Optional[torch.Tensor], new: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def extended(held: Optional[np.ndarray], new: Optional[np.ndarray]) -> Optional[np.ndarray]:
     """``held``'s positions, then ``new``'s beyond them (``new`` covers the same sequence
     from position 0: a request's prompt and what it sampled)."""
     if new is None:
         return held
     if held is None or len(held) == 0:
         return new
-    return torch.cat([held, new[len(held) :]]) if len(new) > len(held) else held
+    return np.concatenate([held, new[len(held) :]]) if len(new) > len(held) else held
 
 
-def cut(routing: Optional[torch.Tensor], positions: int) -> Optional[torch.Tensor]:
+def cut(routing: Optional[np.ndarray], positions: int) -> Optional[np.ndarray]:
     """The first ``positions`` positions (a response cut back to fewer tokens)."""
     return None if routing is None else routing[: max(positions, 0)]
 
@@ -77,7 +79,7 @@ class RoutingRecorder:
         self.routers = moe_routers(model)
         self.num_rows = num_rows
         self.calls: list[list[torch.Tensor]] = [[] for _ in self.routers]
-        self.dtype = routing_dtype(int(self.routers[0][1].num_experts)) if self.routers else torch.uint8
+        self.dtype = routing_dtype(int(self.routers[0][1].num_experts)) if self.routers else np.dtype(np.uint8)
         self._handles = []
 
     def __enter__(self) -> RoutingRecorder:
@@ -97,14 +99,14 @@ class RoutingRecorder:
 
         return hook
 
-    def columns(self) -> Optional[torch.Tensor]:
+    def columns(self) -> Optional[np.ndarray]:
         """``[rows, columns, moe_layers, k]``: every input column the calls routed."""
         if not self.routers or not self.calls[0]:
             return None
         per_layer = [torch.cat(calls, dim=1) for calls in self.calls]
-        return torch.stack(per_layer, dim=2).to(self.dtype)
+        return torch.stack(per_layer, dim=2).numpy().astype(self.dtype)
 
-    def rows(self, prompt_lengths: list[int], width: int, response_lengths: list[int]) -> list[Optional[torch.Tensor]]:
+    def rows(self, prompt_lengths: list[int], width: int, response_lengths: list[int]) -> list[Optional[np.ndarray]]:
         """Each row's record (left-padded prompts ending at column ``width``): its prompt's
         positions and those of its response but the last token."""
         columns = self.columns()
@@ -112,5 +114,5 @@ class RoutingRecorder:
             return [None] * len(prompt_lengths)
         out = []
         for row, (prompt, response) in enumerate(zip(prompt_lengths, response_lengths)):
-            out.append(columns[row, width - prompt : width + max(response, 1) - 1].clone())
+            out.append(columns[row, width - prompt : width + max(response, 1) - 1].copy())
         return out

@@ -88,6 +88,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from dapo_megatron.rollout import routed_experts
@@ -251,7 +252,7 @@ def request_refusal(exc: BaseException) -> Optional[str]:
     return None
 
 
-def routed_experts_of_meta(meta: dict, moe_layers: list[bool], num_experts: int) -> Optional[torch.Tensor]:
+def routed_experts_of_meta(meta: dict, moe_layers: list[bool], num_experts: int) -> Optional[np.ndarray]:
     """SGLang's routed experts of one answer as this project's record
     (``rollout/routed_experts.py``): ``meta_info['routed_experts']`` is base64 of int32
     ``[prompt_tokens + completion_tokens - 1, num_hidden_layers, k]`` (every decoder layer,
@@ -264,17 +265,19 @@ def routed_experts_of_meta(meta: dict, moe_layers: list[bool], num_experts: int)
     encoded = meta.get("routed_experts")
     if encoded is None:
         return None
-    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+    flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
     rows = int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1
     if rows <= 0:
         return None
-    if flat.numel() % (rows * len(moe_layers)):
+    if flat.size % (rows * len(moe_layers)):
         raise ValueError(
-            f"SGLang sent {flat.numel()} routed-expert ids for {rows} positions x {len(moe_layers)} layers: "
+            f"SGLang sent {flat.size} routed-expert ids for {rows} positions x {len(moe_layers)} layers: "
             "not a whole number of experts per token (an engine serving another model?)"
         )
     routed = flat.reshape(rows, len(moe_layers), -1)
-    return routed[:, [i for i, sparse in enumerate(moe_layers) if sparse]].to(routed_experts.routing_dtype(num_experts))
+    return routed[:, [i for i, sparse in enumerate(moe_layers) if sparse]].astype(
+        routed_experts.routing_dtype(num_experts)
+    )
 
 
 def finish_reason_of(meta: dict) -> str:
@@ -417,7 +420,7 @@ class SGLangRolloutEngine(RolloutEngine):
             )
         return params.return_routed_experts
 
-    def _routed_experts(self, meta: dict, positions: int) -> Optional[torch.Tensor]:
+    def _routed_experts(self, meta: dict, positions: int) -> Optional[np.ndarray]:
         """The routing record of an answer (:func:`routed_experts_of_meta`), cut to
         ``positions`` (the tokens kept); None when SGLang sent none (a request aborted
         while it was still queued)."""

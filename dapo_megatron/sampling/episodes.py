@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-import torch
+import numpy as np
 
 from dapo_megatron.config import RolloutConfig
 from dapo_megatron.data import Prompt
@@ -150,7 +150,7 @@ class Trajectory:
     """The environment's score of the episode, when it gives one."""
     weight_version: int = -1
     """The oldest weight version that sampled one of its turns."""
-    routed_experts: Optional[torch.Tensor] = None
+    routed_experts: Optional[np.ndarray] = None
     """With routing records (``model.routing_replay``): the prompt's and every token's but
     the last, as routed when the turn they belong to was sampled (``rollout/routed_experts.py``)."""
 

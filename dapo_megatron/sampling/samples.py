@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from dapo_megatron.actor.batch import PolicyBatch
@@ -69,7 +70,7 @@ class Sample:
     environment_reward: Optional[float] = None
     """Multi-turn episodes: the environment's score, when it gave one (it replaces the
     reward function's)."""
-    routed_experts: Optional[torch.Tensor] = None
+    routed_experts: Optional[np.ndarray] = None
     """With ``model.routing_replay``: the experts the engine routed the prompt's and the
     response's tokens to (``[positions, moe_layers, k]``, ``rollout/routed_experts.py``)."""
 
@@ -199,16 +200,16 @@ def build_policy_batch(samples: list[Sample], algorithm: AlgorithmConfig) -> Pol
     return batch
 
 
-def routing_grid(records: list[Optional[torch.Tensor]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_grid(records: list[Optional[np.ndarray]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The samples' routing records on the token grid (``[batch, width, moe_layers, k]``,
     zeros past each record) and how many positions each covers (0 for a sample without)."""
     first = next(record for record in records if record is not None)
-    grid = torch.zeros((len(records), width, *first.shape[1:]), dtype=first.dtype)
+    grid = torch.zeros((len(records), width, *first.shape[1:]), dtype=torch.from_numpy(first[:0]).dtype)
     lengths = torch.zeros(len(records), dtype=torch.long)
     for row, record in enumerate(records):
         if record is not None:
             used = min(len(record), width)
-            grid[row, :used] = record[:used]
+            grid[row, :used] = torch.from_numpy(record[:used])
             lengths[row] = used
     return grid, lengths
 
@@ -335,7 +336,9 @@ def samples_record(samples: list[Sample], extra: dict) -> dict:
                 None if getattr(s, key) is None else torch.tensor(getattr(s, key), dtype=dtype) for s in samples
             ]
     if any(s.routed_experts is not None for s in samples):
-        record["routed_experts"] = [s.routed_experts for s in samples]
+        record["routed_experts"] = [
+            None if s.routed_experts is None else torch.from_numpy(s.routed_experts) for s in samples
+        ]
     return record
 
 
@@ -382,6 +385,7 @@ def samples_from_record(record: dict, path="the record") -> tuple[list[Sample], 
             values = record[key][i] if key in record else None
             setattr(samples[-1], key, None if values is None else values.tolist())
         if "routed_experts" in record:
-            samples[-1].routed_experts = record["routed_experts"][i]
+            routed = record["routed_experts"][i]
+            samples[-1].routed_experts = None if routed is None else routed.numpy()
         start += length
     return samples, record["extra"]

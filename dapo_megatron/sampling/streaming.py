@@ -492,7 +492,9 @@ class StreamingSampler(Sampler):
                             "versions": torch.tensor(row.versions, dtype=torch.int64),
                             "finish_reason": row.finish_reason or "",
                             "turn_start": row.turn_start,
-                            "routed_experts": row.routed_experts,
+                            "routed_experts": None
+                            if row.routed_experts is None
+                            else torch.from_numpy(row.routed_experts),
                         }
                         for row in item.group.rows
                     ],
@@ -522,7 +524,7 @@ class StreamingSampler(Sampler):
                     row["versions"].tolist(),
                     row["finish_reason"] or None,
                     row.get("turn_start", 0),
-                    row.get("routed_experts"),
+                    None if row.get("routed_experts") is None else row["routed_experts"].numpy(),
                 )
                 for row in item["rows"]
             ]

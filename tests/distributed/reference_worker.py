@@ -359,3 +359,24 @@ def bf16_step(workdir: str, tp_size: int, pp_size: int, dp_size: int) -> None:
             torch.save(saved, os.path.join(workdir, f"bf16_stage{info.pp_rank}.pt"))
         if info.rank == 0:
             torch.save(batch, os.path.join(workdir, "bf16_batch.pt"))
+
+
+def routing_against_a_record(workdir: str) -> None:
+    """One DAPO step of a Qwen3-MoE actor on :func:`reference_batch` carrying a random
+    routing record, under ``model.routing_replay`` ``measure`` and ``rollout``: each
+    setting's first update's metrics in ``routing_{setting}.pt``."""
+    from dapo_megatron.config import moe_layers
+    from tests.distributed.actor_worker import set_family
+
+    cfg = actor_config(1, 1, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
+    set_family(cfg, "qwen3_moe")
+    with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
+        for setting in ("measure", "rollout"):
+            cfg.model.routing_replay = setting
+            actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
+            load_hf_model_weights(actor, os.path.join(workdir, "hf_tied0"))
+            batch = reference_batch()
+            random_routing(batch, sum(moe_layers(cfg.model)), cfg.model.num_experts, cfg.model.moe_router_topk)
+            batch.old_log_probs = old_log_probs_as_trained(actor, batch, 0, 1)
+            metrics = actor.train(batch, num_mini_batches=NUM_MINI_BATCHES)
+            torch.save([update.as_dict() for update in metrics], os.path.join(workdir, f"routing_{setting}.pt"))

@@ -465,6 +465,23 @@ def test_moe_negative_controls_are_far_from_the_reference(tmp_path):
     assert errors["right"] <= 1e-5 and errors["wrong_norm_topk_prob"] > 1e-3 and errors["swapped"] > 1e-3, errors
 
 
+def test_the_actor_reports_routing_that_differs_from_the_engines_and_replays_it(tmp_path):
+    """A batch whose record routes every position to random experts: under ``measure``
+    the actor routes on its own and reports most positions routed elsewhere (two random
+    experts of four match a router's top-2 one time in six), under ``rollout`` it
+    replays them: 0, in every update."""
+    model = tiny_hf_model("qwen3_moe", False, seed=SEEDS["qwen3_moe"], attn_implementation="eager")
+    _randomize_biases(model)
+    model.save_pretrained(tmp_path / "hf_tied0")
+    launch_local(reference_worker.routing_against_a_record, 1, (str(tmp_path),))
+    measured, replayed = (torch.load(tmp_path / f"routing_{s}.pt") for s in ("measure", "rollout"))
+    assert all(0.5 < update["moe_routing_changed_engine"] < 1.0 for update in measured)
+    assert "moe_replayed_share" not in measured[0]
+    assert all(update["moe_routing_changed_engine"] == 0.0 for update in replayed)
+    assert all(update["moe_routing_changed"] == 0.0 for update in replayed)
+    assert 0.5 < replayed[0]["moe_replayed_share"] < 1.0
+
+
 BF16_UNIT_ROUNDOFF = 2.0**-9
 """bf16 keeps 8 significant bits: rounding to nearest moves a value by at most 2^-9 of it."""
 BF16_ROUNDINGS = 2 * 4 * 12

@@ -14,7 +14,9 @@ from tests.e2e.conftest import FOUR_STEPS, ONE_RANK, joined, run_config, step_me
 
 
 def _kl_run(tiny_model, out, **overrides):
-    raw = run_config(tiny_model, out, **{**FOUR_STEPS, **ONE_RANK, **overrides})
+    raw = run_config(
+        tiny_model, out, **{**FOUR_STEPS, **ONE_RANK, "trainer.num_steps": 2, "checkpoint.save_every": 1, **overrides}
+    )
     raw["algorithm"].update(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3")
     return raw
 
@@ -25,13 +27,13 @@ def test_kl_penalty_to_the_initial_policy_survives_resume(tiny_model, tmp_path, 
     train(config_from_dict(joined(_kl_run(tiny_model, whole), shared_ray)))
     metrics = step_metrics(whole)
     # The policy moves away from the initial one: the penalty is positive.
-    assert metrics[1]["actor/kl_loss"] > 0 and all(metrics[s]["actor/kl_loss"] > 0 for s in (2, 3, 4))
+    assert sorted(metrics) == [1, 2] and all(metrics[s]["actor/kl_loss"] > 0 for s in (1, 2))
     assert "time/ref_log_prob" in _raw_keys(whole)
     split = tmp_path / "split"
-    train(config_from_dict(joined(_kl_run(tiny_model, split, **{"trainer.num_steps": 2}), shared_ray)))
+    train(config_from_dict(joined(_kl_run(tiny_model, split, **{"trainer.num_steps": 1}), shared_ray)))
     train(config_from_dict(joined(_kl_run(tiny_model, split), shared_ray)), resume=True)
     # The reference after resume is the initial policy again (not the resumed weights):
-    # every metric of steps 3 and 4 is the uninterrupted run's.
+    # every metric of step 2 is the uninterrupted run's.
     assert step_metrics(split) == metrics
 
 

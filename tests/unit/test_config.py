@@ -269,6 +269,7 @@ def test_expert_settings_on_a_dense_family_are_refused_naming_the_key_and_the_fa
         "model.moe_norm_topk_prob=false",
         "model.decoder_sparse_step=2",
         "model.mlp_only_layers=[0]",
+        "model.routing_replay=rollout",
     ):
         key = override.split("=")[0]
         message = error_of(run, [override])
@@ -314,6 +315,15 @@ def test_expert_parallel_size_is_checked_with_the_nearest_valid_values(tmp_path)
     assert load_config(_moe_run(tmp_path, mlp_only_layers=[0], decoder_sparse_step=2)).model.mlp_only_layers == [0]
     assert "names layers [48] outside 0..47" in error_of(_moe_run(tmp_path, mlp_only_layers=[48]))
     assert "exceeds model.num_experts=128" in error_of(_moe_run(tmp_path, num_experts_per_tok=200))
+
+
+def test_routing_replay_values_and_what_they_need(tmp_path):
+    run = _moe_run(tmp_path)
+    assert load_config(run, ["model.routing_replay=rollout"]).model.routing_replay == "rollout"
+    assert "model.routing_replay" in error_of(run, ["model.routing_replay=engine"])
+    message = error_of(run, ["model.routing_replay=old", "algorithm.use_rollout_log_probs=true"])
+    assert "model.routing_replay=old replays the routing of the actor's old-log-prob pass" in message
+    assert load_config(run, ["model.routing_replay=rollout", "algorithm.use_rollout_log_probs=true"])
 
 
 def test_overrides_with_type_coercion():

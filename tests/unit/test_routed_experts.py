@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ def engine(tmp_path_factory):
     return HFRolloutEngine.from_pretrained(folder)
 
 
-def forward_routing(model, ids: list[int]) -> torch.Tensor:
+def forward_routing(model, ids: list[int]) -> np.ndarray:
     """``[positions, moe_layers, k]``: the routing of one forward pass over ``ids``."""
     recorder = routed_experts.RoutingRecorder(model, 1)
     with recorder, torch.no_grad():
@@ -46,8 +47,8 @@ def test_generate_records_every_position_but_the_last_as_a_forward_pass_routes_i
     for generation in generations:
         ids = PROMPTS[generation.prompt_index] + generation.token_ids
         record = generation.routed_experts
-        assert record.dtype == torch.uint8 and tuple(record.shape) == (len(ids) - 1, 3, 2)
-        assert torch.equal(record, forward_routing(engine.model, ids)[:-1].to(torch.uint8))
+        assert record.dtype == np.uint8 and record.shape == (len(ids) - 1, 3, 2)
+        assert np.array_equal(record, forward_routing(engine.model, ids)[:-1])
     assert all(g.routed_experts is None for g in engine.generate(PROMPTS, SamplingParams(max_new_tokens=3)))
 
 
@@ -77,25 +78,25 @@ def test_a_streamed_response_keeps_the_routing_its_prefix_was_sampled_with(engin
                 gate.weight.copy_(weight)
     held = len(PROMPTS[0]) + 1
     assert len(row.routed_experts) == len(PROMPTS[0]) + len(row.token_ids) - 1
-    assert torch.equal(row.routed_experts[:held], before[:held].to(torch.uint8))
-    assert torch.equal(row.routed_experts[held:], after[held:-1].to(torch.uint8))
-    assert not torch.equal(before[:held], after[:held])  # the change did move the prefix's routing
+    assert np.array_equal(row.routed_experts[:held], before[:held])
+    assert np.array_equal(row.routed_experts[held:], after[held:-1])
+    assert not np.array_equal(before[:held], after[:held])  # the change did move the prefix's routing
 
 
 def test_sglangs_answer_decodes_into_the_moe_layers_of_the_record():
     """SGLang 0.5.23 sends base64 of int32 ``[prompt + completion - 1, all layers, k]``
     (dense layers as zeros)."""
-    sent = torch.randint(0, 4, (6, 3, 2), dtype=torch.int32)
+    sent = np.random.default_rng(0).integers(0, 4, (6, 3, 2)).astype(np.int32)
     sent[:, 1] = 0
-    meta = {"routed_experts": base64.b64encode(sent.numpy().tobytes()).decode(), "prompt_tokens": 4}
+    meta = {"routed_experts": base64.b64encode(sent.tobytes()).decode(), "prompt_tokens": 4}
     meta["completion_tokens"] = 3
     record = routed_experts_of_meta(meta, [True, False, True], num_experts=4)
-    assert record.dtype == torch.uint8 and torch.equal(record, sent[:, [0, 2]].to(torch.uint8))
+    assert record.dtype == np.uint8 and np.array_equal(record, sent[:, [0, 2]])
     assert routed_experts_of_meta({"prompt_tokens": 4, "completion_tokens": 3}, [True], 4) is None
     with pytest.raises(ValueError, match="not a whole number of experts per token"):
         routed_experts_of_meta({**meta, "completion_tokens": 4}, [True, False, True], num_experts=4)
     wide = routed_experts_of_meta(meta, [True, False, True], num_experts=300)
-    assert wide.dtype == torch.int16
+    assert wide.dtype == np.int16
 
 
 def test_the_record_travels_with_the_sample_into_the_batch_and_through_a_save(tmp_path):
@@ -104,16 +105,17 @@ def test_the_record_travels_with_the_sample_into_the_batch_and_through_a_save(tm
     from dapo_megatron.sampling.samples import Sample, build_policy_batch, load_samples, save_samples
 
     prompt = Prompt(0, (1, 2, 3), "4", "demo", "1+3=")
-    records = [torch.randint(0, 4, (3 + n - 1, 2, 2), dtype=torch.uint8) for n in (2, 4)]
+    records = [np.random.default_rng(n).integers(0, 4, (3 + n - 1, 2, 2)).astype(np.uint8) for n in (2, 4)]
     samples = [
         Sample((0, 0), prompt, list(range(n)), [0.0] * n, "stop", "", routed_experts=record, score=float(n))
         for n, record in zip((2, 4), records)
     ]
     save_samples(tmp_path / "s.pt", samples, {})
     loaded, _ = load_samples(tmp_path / "s.pt")
-    assert all(torch.equal(a.routed_experts, b) for a, b in zip(loaded, records))
+    assert all(np.array_equal(a.routed_experts, b) for a, b in zip(loaded, records))
     batch = build_policy_batch(loaded, AlgorithmConfig())
     assert batch.routed_lengths.tolist() == [4, 6] and tuple(batch.routed_experts.shape) == (2, 7, 2, 2)
-    assert torch.equal(batch.routed_experts[1, :6], records[1]) and not batch.routed_experts[0, 4:].any()
+    assert np.array_equal(batch.routed_experts[1, :6].numpy(), records[1]) and not batch.routed_experts[0, 4:].any()
+    assert batch.routed_experts.dtype == torch.uint8
     trimmed = batch.select([0]).trimmed()
     assert tuple(trimmed.routed_experts.shape) == (1, 5, 2, 2)

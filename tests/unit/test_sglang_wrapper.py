@@ -22,6 +22,7 @@ import os
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -596,7 +597,7 @@ def test_an_sglang_engine_reports_no_peak_memory_and_refuses_to_export_its_weigh
 def routed(positions: range, answer: int) -> torch.Tensor:
     """The stand-in's record of ``positions`` in its ``answer``-th answer, MoE layers 0 and 2."""
     p = torch.tensor(list(positions))[:, None, None]
-    return ((p + torch.tensor([0, 2])[None, :, None] + torch.arange(2) + answer) % 4).to(torch.uint8)
+    return ((p + torch.tensor([0, 2])[None, :, None] + torch.arange(2) + answer) % 4).to(torch.uint8).numpy()
 
 
 def test_routed_experts_of_a_row_cut_and_continued_keep_each_position_of_its_first_answer(monkeypatch):
@@ -618,16 +619,16 @@ def test_routed_experts_of_a_row_cut_and_continued_keep_each_position_of_its_fir
     (cut,) = engine.stream_abort(version=1)
     row = cut.rows[0]
     held = len(row.token_ids)
-    assert held > 0 and torch.equal(row.routed_experts, routed(range(3 + held - 1), 0))
+    assert held > 0 and np.array_equal(row.routed_experts, routed(range(3 + held - 1), 0))
     engine.stream_add([cut], params)
     engine.stream_step(64, version=2)
     (cut,) = engine.stream_abort(version=2)
     assert len(row.token_ids) > held and len(row.routed_experts) == 3 + len(row.token_ids) - 1
-    assert torch.equal(row.routed_experts[: 3 + held - 1], routed(range(3 + held - 1), 0))
-    assert torch.equal(row.routed_experts[3 + held - 1 :], routed(range(3 + held - 1, len(row.routed_experts)), 1))
+    assert np.array_equal(row.routed_experts[: 3 + held - 1], routed(range(3 + held - 1), 0))
+    assert np.array_equal(row.routed_experts[3 + held - 1 :], routed(range(3 + held - 1, len(row.routed_experts)), 1))
     engine._engine.finish = {"type": "stop", "matched": 1}
     (generation,) = engine.generate([[4, 5]], params)
-    assert torch.equal(generation.routed_experts, routed(range(3), engine._engine.answers - 1))
+    assert np.array_equal(generation.routed_experts, routed(range(3), engine._engine.answers - 1))
     without = SGLangRolloutEngine("/model")
     assert "enable_return_routed_experts" in without._engine.server_args
     with pytest.raises(ValueError, match="without moe_layers"):
