@@ -115,19 +115,23 @@ data-parallel rank 0 gets 20, 20, 12 (three micro-batches) and rank 1 gets 20, 1
 (two: 20 | 12 + 12), so rank 1 runs a filler micro-batch last in each update."""
 
 
-def router_losses_at_pp2(workdir: str, recompute: bool) -> None:
+def router_losses_at_pp2(workdir: str, recompute: bool, replay: bool = False) -> None:
     """One DAPO step at pp 2 x dp 2 x ep 2 with the load-balancing loss (0.1) and the
-    z-loss (1e-3) on, full activation recompute on or off: each stage's gradients (as the
-    optimizer reads them), metrics and micro-batch shapes in ``router_{recompute}_*.pt``."""
+    z-loss (1e-3) on, full activation recompute on or off; with ``replay``, rollout routing
+    replay of a random record: each stage's gradients (as the optimizer reads them),
+    metrics and micro-batch shapes in ``router_{recompute}_*.pt``."""
     from tests.distributed.actor_worker import make_batch
-    from tests.distributed.reference_worker import _step_capturing_gradients
+    from tests.distributed.reference_worker import _step_capturing_gradients, random_routing
 
     cfg = actor_config(1, 2, dp_size=2, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
     set_family(cfg, "qwen3_moe", 2)
     cfg.model.moe_aux_loss_coeff, cfg.model.moe_z_loss_coeff = 0.1, 1e-3
     cfg.model.recompute_activations = recompute
+    cfg.model.routing_replay = "rollout" if replay else "off"
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
         batch = make_batch(23, ROUTER_RESPONSE_LENGTHS, ROUTER_PROMPT_LENGTHS)
         batch.tokens %= VOCAB
+        if replay:
+            random_routing(batch, cfg.model.num_layers, cfg.model.num_experts, cfg.model.moe_router_topk)
         saved = _step_capturing_gradients(cfg, info, workdir, "hf", batch, 2)
         torch.save(saved, os.path.join(workdir, f"router_{recompute}_pp{info.pp_rank}_dp{info.dp_rank}.pt"))

@@ -138,16 +138,19 @@ def test_routing_metrics_do_not_depend_on_the_layout(moe_run):
     )
 
 
-def test_router_losses_under_recompute_at_pp2_equal_those_without(tmp_path):
+@pytest.mark.parametrize("replay", [False, True], ids=["own-routing", "routing-replay"])
+def test_router_losses_under_recompute_at_pp2_equal_those_without(tmp_path, replay):
     """pp 2 x dp 2 x ep 2, full recompute: 1F1B runs stage 0's backward of micro-batch 1
     (whose router losses attach in that backward's recompute) after the forward of
     micro-batch 2, a filler on data-parallel rank 1. The router losses' coefficients must
-    be micro-batch 1's when the recompute reads them: every gradient and the
-    load-balancing metric equal those of the same step without recompute."""
+    be micro-batch 1's when the recompute reads them, and so must the experts it replays
+    (``replay``: rollout routing replay of a random record, which the recompute would get
+    wrong from another micro-batch's experts): every gradient and the load-balancing
+    metric equal those of the same step without recompute."""
     model = tiny_hf_model("qwen3_moe", False, seed=SEEDS["qwen3_moe"], attn_implementation="eager")
     model.save_pretrained(tmp_path / "hf")
     for recompute in (False, True):
-        launch_local(moe_worker.router_losses_at_pp2, 4, (str(tmp_path), recompute))
+        launch_local(moe_worker.router_losses_at_pp2, 4, (str(tmp_path), recompute, replay))
 
     def saved(recompute, pp, dp):
         return torch.load(tmp_path / f"router_{recompute}_pp{pp}_dp{dp}.pt", weights_only=False)
@@ -157,6 +160,8 @@ def test_router_losses_under_recompute_at_pp2_equal_those_without(tmp_path):
     assert real == [[3, 3], [2, 2]] and [len(m) for m in saved(True, 0, 1)["row_lengths"]] == [3, 3]
     metrics = saved(False, 1, 0)["metrics"]
     assert all(m["moe_load_balancing_loss"] > 0 for m in metrics)
+    if replay:
+        assert all(m["moe_routing_changed_engine"] == 0.0 for m in saved(True, 1, 0)["metrics"])
     for got, expected in zip(saved(True, 1, 0)["metrics"], metrics):
         assert got["moe_load_balancing_loss"] == pytest.approx(expected["moe_load_balancing_loss"], rel=1e-6)
     for stage in (0, 1):

@@ -45,8 +45,10 @@ def test_moe_at_ep2_with_routing_replay_through_partial_episodes_resumes_exactly
     actor's routers pick, at every position the engine routed, the engine's experts
     (``routing_changed_engine`` 0: the routers' own output compared with the engine's
     record), and so the updates' too; 2 steps equal 1 + resume + 1 to the bit, the save
-    holding partial responses with the routing of their prefix. The engine serves the
-    actor's weights, experts by name, bitwise."""
+    holding partial responses with the routing of their prefix, and episodes cut after
+    answered tool calls (their turns in the checkpoint, replayed on resume): the streamed
+    multi-turn resume test of the suite. The engine serves the actor's weights, experts by
+    name, bitwise."""
     seen = {}
 
     def inspect(actor, engines):
@@ -92,3 +94,12 @@ def test_moe_at_ep2_with_routing_replay_through_partial_episodes_resumes_exactly
     assert 0 <= expected[1]["rollout_mismatch/kl_k3_mean"] < 1e-3 and expected[1]["staleness/max"] == 0
     assert expected[2]["stream/partial_in_responses"] > 0
     assert (split / "checkpoints" / "latest").exists()
+    # What the save held: episodes cut in flight after an answered tool call (their turns
+    # in the checkpoint, replayed on resume).
+    assert any(len(item_episode["turn_ends"]) > 0 for _, _, item_episode in rows)
+    steps = list(expected.values())
+    assert all("rollout_correction/weight_mean" in s for s in steps)  # auto: token-level TIS
+    assert all(s["staleness/max"] <= 1 for s in steps) and steps[1]["staleness/max"] == 1
+    for s in steps:
+        assert not [k for k, v in s.items() if isinstance(v, float) and not math.isfinite(v)]
+        assert s["episode/observation_tokens"] > 0 and 1 <= s["episode/turns_mean"] <= 3
