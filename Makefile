@@ -11,7 +11,7 @@ SGLANG_WHEEL_DIR := $(VENV)/sglang-wheel
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dapo-installed
 
-.PHONY: test test-gpu lint install clean demo demo-moe demo-tools
+.PHONY: test test-gpu test-slurm-extended lint install clean demo demo-moe demo-tools
 
 test: $(STAMP)
 	$(PY) -m ruff check dapo_megatron tests benchmarks tools examples
@@ -25,6 +25,11 @@ test: $(STAMP)
 # a Python that has torch with CUDA, megatron-core and this package's dependencies.
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests/gpu
+
+# The real one-node SLURM tier with the cases kept out of `make test`'s 15 minutes
+# (a preemption under proctrack/linuxproc, whose Ray dies with the SIGTERM).
+test-slurm-extended: $(STAMP)
+	DAPO_TEST_SLURM_EXTENDED=1 $(PY) -m pytest -q tests/slurm
 
 lint: $(STAMP)
 	$(PY) -m ruff check dapo_megatron tests benchmarks tools examples

@@ -412,12 +412,12 @@ class HostEstimate:
     available: int
     """This machine's physical memory."""
     routing_records: int = 0
-    """The routing records of a step (``model.routing_replay``), held by the driver and by
-    every actor rank (:func:`routing_record_bytes`)."""
+    """The routing records of a step (``model.routing_replay``) on the driver and, their
+    replica's share, on every actor rank (:func:`routing_record_bytes`)."""
 
     @property
     def total(self) -> int:
-        return self.ranks * self.rank_bytes + self.engines * self.engine_bytes + (self.ranks + 1) * self.routing_records
+        return self.ranks * self.rank_bytes + self.engines * self.engine_bytes + self.routing_records
 
 
 def machine_memory_bytes() -> int:
@@ -573,26 +573,28 @@ def estimate_host_memory(config: Config, memory: MemoryEstimate) -> HostEstimate
         engines=-(-r.num_engines // p.num_nodes),
         engine_bytes=memory.hf_engine + CPU_PROCESS_BYTES,
         available=machine_memory_bytes(),
-        routing_records=routing_record_bytes(config)[1],
+        routing_records=routing_record_bytes(config)[1] + p.num_devices_per_node * routing_record_bytes(config)[2],
     )
 
 
-def routing_record_bytes(config: Config) -> tuple[int, int]:
+def routing_record_bytes(config: Config) -> tuple[int, int, int]:
     """Host memory of the engine's routing records (``model.routing_replay`` ``measure`` or
-    ``rollout``): per token (``moe_layers x moe_router_topk`` ids of one or two bytes), and
-    for a step: the batch's responses at their longest, as the actor's padded grid, plus
-    the groups a streamed run holds in flight and carries (``max_prompts_in_flight``)."""
+    ``rollout``), at the responses' longest: per token (``moe_layers x moe_router_topk`` ids
+    of one or two bytes); on the driver, the kept batch (``train_batch_size`` prompts) and
+    the round being generated and scored (``gen_batch_size``) or, streamed, the groups in
+    flight and carried (``max_prompts_in_flight`` each; dropped groups let go of theirs);
+    on an actor rank, its data-parallel replica's share of the kept batch."""
     from dapo_megatron.config import engine_routing, moe_layers
     from dapo_megatron.rollout.routed_experts import bytes_per_token
 
     m, r, d = config.model, config.rollout, config.data
     if not engine_routing(m):
-        return 0, 0
+        return 0, 0, 0
     per_token = bytes_per_token(m.num_experts, sum(moe_layers(m)), m.moe_router_topk)
-    prompts = d.train_batch_size + (r.max_prompts_in_flight or d.gen_batch_size or d.train_batch_size) * (
-        2 if r.streaming else 0
-    )
-    return per_token, per_token * prompts * r.n_samples_per_prompt * (r.max_prompt_length + r.max_response_length)
+    round_prompts = d.gen_batch_size or d.train_batch_size
+    prompts = d.train_batch_size + ((r.max_prompts_in_flight or round_prompts) * 2 if r.streaming else round_prompts)
+    sequence = per_token * r.n_samples_per_prompt * (r.max_prompt_length + r.max_response_length)
+    return per_token, sequence * prompts, sequence * d.train_batch_size // config.parallel.data_parallel_size
 
 
 @dataclass
@@ -905,11 +907,11 @@ def _episodes_line(rollout) -> str:
 
 def _routing_line(config: Config) -> str:
     """What ``plan`` says of the engine's routing records (``model.routing_replay``)."""
-    per_token, step = routing_record_bytes(config)
+    per_token, driver, rank = routing_record_bytes(config)
     return (
         f"routing records (model.routing_replay={config.model.routing_replay}): {per_token} bytes per token; "
-        f"{step / GIB:.2f} GiB of host memory for a step's responses at their longest (and the groups in flight), "
-        "on the driver and again on each actor rank"
+        f"host memory at the responses' longest: {driver / GIB:.2f} GiB on the driver (the kept batch and the "
+        f"groups being generated), {rank / GIB:.2f} GiB on each actor rank (its replica's share)"
     )
 
 

@@ -173,6 +173,15 @@ class MegatronActor:
             self.routing = RoutingMonitor(
                 self.gpt, model, self.device, runtime.tp_rank, parallel.tp_size, parallel.sequence_parallel
             )
+        # Under rollout routing replay the KL penalty's reference replays the same experts
+        # (its log-probs through the experts that sampled the token, as the policy's are).
+        self.reference_routing = None
+        if self.reference is not None and config.num_moe_experts and model.routing_replay == "rollout":
+            from dapo_megatron.actor.routing import RoutingMonitor
+
+            self.reference_routing = RoutingMonitor(
+                self.reference, model, self.device, runtime.tp_rank, parallel.tp_size, parallel.sequence_parallel
+            )
 
     # ------------------------------------------------------------------ internals
 
@@ -291,11 +300,13 @@ class MegatronActor:
         layers, k = batch.routed_experts.shape[2:]
         experts = torch.arange(k, dtype=batch.routed_experts.dtype).expand(*shape, layers, k).clone()
         routed = torch.zeros(shape, dtype=torch.bool)
-        for row, offset, index, _ in placements:
-            covered = int(batch.routed_lengths[index])
+        for row, offset, index, length in placements:
+            covered = min(int(batch.routed_lengths[index]), length)
             experts[row, offset : offset + covered] = batch.routed_experts[index, :covered]
             routed[row, offset : offset + covered] = True
-        if self.model_config.routing_replay == "rollout":
+        if self.model_config.routing_replay == "rollout" and bool((real & routed).any()):
+            # (A micro-batch without any routed position keeps its tokens in the losses:
+            # megatron's load-balancing loss divides by the count of the others.)
             out["padding_mask"] = (~(real & routed)).to(self.device)
         return {**out, "engine_experts": experts.to(self.device), "engine_routed": routed.to(self.device)}
 
@@ -448,7 +459,7 @@ class MegatronActor:
         gpt = self.reference if reference else None
         self.ddp.eval()
         micro = [mb for mini in self._update_micro_batches(batch, num_mini_batches) for mb in mini]
-        routing = self.routing if not reference else None
+        routing = self.reference_routing if reference else self.routing
         if routing is not None:
             routing.begin("record")
         index = iter(range(len(micro)))
@@ -480,10 +491,10 @@ class MegatronActor:
         outputs = self._run_schedule(
             micro, forward_step, forward_only=True, model=self.reference_module if reference else None
         )
-        if self.routing is not None:
+        if routing is not None:
             from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
-            self.routing.begin(None)
+            routing.begin(None)
             clear_aux_losses_tracker()
         shape = (2, batch.num_rows, batch.tokens.shape[1])
         result = None
@@ -555,6 +566,8 @@ class MegatronActor:
             first += len(micro)
         for update in metrics:
             update.padding_share, update.padding_share_unpacked = padding
+        if self.routing is not None:
+            self.routing.end_step()
         return metrics
 
     def _padding_shares(self, batch: PolicyBatch, num_mini_batches: int, planned) -> tuple[float, float]:

@@ -71,6 +71,7 @@ class _Current:
     filler: bool
     engine_experts: Optional[torch.Tensor] = None  # [tokens, moe_layers, k] the engine's routing
     engine_routed: Optional[torch.Tensor] = None  # [tokens] bool: the positions the engine routed
+    predicting: Optional[torch.Tensor] = None  # [tokens] bool: the positions whose output is a loss token's log-prob
 
 
 def _tracker() -> dict:
@@ -111,7 +112,7 @@ class RoutingMonitor:
         num_layers = gpt.config.num_layers
         self.counts = torch.zeros(num_layers, gpt.config.num_moe_experts, dtype=torch.float64, device=device)
         self.changed = torch.zeros(2, dtype=torch.float64, device=device)  # changed, compared
-        # Against the engine: changed, compared; response tokens replayed, response tokens.
+        # Against the engine: changed, compared; positions predicting a loss token replayed, all such positions.
         self.engine_changed = torch.zeros(4, dtype=torch.float64, device=device)
         self.real_calls = 0
         # A random 63-bit key per expert: a token's expert set is the sum of its experts' keys.
@@ -134,6 +135,12 @@ class RoutingMonitor:
         if mode is None:
             self.current = None
             self._set_replay(None)
+
+    def end_step(self) -> None:
+        """The step's updates are done: no router replays anything until the next pass,
+        and the old-log-prob pass's experts (``old``) are let go."""
+        self.begin(None)
+        self.old_experts = {}
 
     def _router_order(self, grid: torch.Tensor) -> torch.Tensor:
         """A ``[b, L, ...]`` grid in the routers' token order: sequence-major, this rank's
@@ -158,6 +165,8 @@ class RoutingMonitor:
         batch carries it, the engine's routing (``[b, L, moe_layers, k]``) and which
         positions it covers; sets the router losses' coefficients and the experts to
         replay for it."""
+        predicting = torch.zeros_like(loss_mask)
+        predicting[:, :-1] = loss_mask[:, 1:]  # position p gives the log-prob of token p + 1
         self._activate(
             _Current(
                 index,
@@ -166,6 +175,7 @@ class RoutingMonitor:
                 filler,
                 None if engine_experts is None else self._router_order(engine_experts),
                 None if engine_routed is None else self._router_order(engine_routed),
+                self._router_order(predicting).bool(),
             )
         )
 
@@ -197,7 +207,8 @@ class RoutingMonitor:
         if self.replay == "rollout" and current.engine_experts is not None:
             return current.engine_experts[:, self.ordinal[layer_number]].long()
         if self.replay == "old" and self.mode == "compare":
-            return self.old_experts.get((current.index, layer_number - 1))
+            experts = self.old_experts.get((current.index, layer_number - 1))
+            return None if experts is None else experts.long()
         return None
 
     def again_in_backward(self, output: torch.Tensor) -> None:
@@ -237,7 +248,8 @@ class RoutingMonitor:
         routing_map = outputs[1].detach()
         if self.replay == "old" and self.mode == "record":
             # Exactly k experts a token (no capacity limit), in a row-major order.
-            self.old_experts[(index, layer)] = routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1)
+            experts = routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1)
+            self.old_experts[(index, layer)] = experts.to(torch.uint8 if routing_map.shape[1] <= 256 else torch.int16)
         if current.engine_experts is not None:
             engine = torch.zeros_like(routing_map).scatter_(
                 1, current.engine_experts[:, self.ordinal[router.layer_number]].long(), True
@@ -245,8 +257,11 @@ class RoutingMonitor:
             routed = current.engine_routed
             counted = [((engine != routing_map).any(-1) & routed).sum(), routed.sum()]
             if router.layer_number == min(self.ordinal):  # once per token: at the model's first MoE layer
-                replayed = (routed & valid).sum() if self.replay == "rollout" else torch.zeros((), device=self.device)
-                counted += [replayed, valid.sum()]
+                predicting = current.predicting
+                replayed = (
+                    (routed & predicting).sum() if self.replay == "rollout" else torch.zeros((), device=self.device)
+                )
+                counted += [replayed, predicting.sum()]
             else:
                 counted += [torch.zeros((), device=self.device)] * 2
             self.engine_changed += torch.stack([value.to(torch.float64) for value in counted])
@@ -307,7 +322,7 @@ class RoutingMonitor:
         totals = totals.cpu()
         counts = totals[: self.counts.numel()].reshape(self.counts.shape)
         changed, compared, balance_sum, balance_layers, *engine = totals[self.counts.numel() :].tolist()
-        engine_changed, engine_compared, replayed, response_tokens = engine
+        engine_changed, engine_compared, replayed, predicting = engine
         per_layer = counts.max(-1).values / counts.mean(-1).clamp(min=1e-12)
         routed = counts.sum(-1) > 0
         out = {
@@ -318,8 +333,8 @@ class RoutingMonitor:
             out["moe_routing_changed"] = changed / compared
         if engine_compared:
             out["moe_routing_changed_engine"] = engine_changed / engine_compared
-        if self.replay == "rollout" and response_tokens:
-            out["moe_replayed_share"] = replayed / response_tokens
+        if self.replay == "rollout" and predicting:
+            out["moe_replayed_share"] = replayed / predicting
         if balance_layers:
             out["moe_load_balancing_loss"] = balance_sum / balance_layers
         return out

@@ -274,29 +274,40 @@ class ActorRank:
         load_reference_weights(self.actor, source, path)
 
     def compute_log_probs(
-        self, batch: PolicyBatch, temperature: float, num_mini_batches: int = 1, reference: bool = False
+        self,
+        batch: PolicyBatch,
+        temperature: float,
+        num_mini_batches: int = 1,
+        reference: bool = False,
+        routing: Optional[tuple] = None,
     ):
         """This data-parallel rank's rows and their log-probs and entropies (reported by one
         rank per data-parallel replica; None from the others). The rows are the share
-        :meth:`train` gets with the same ``num_mini_batches``, in the same micro-batches."""
-        from dapo_megatron.actor.batch import data_parallel_rows
-
-        dp_size = self.actor.dp_group.size()
-        rows = data_parallel_rows(batch, self.info.dp_rank, dp_size, num_mini_batches)
-        log_probs, entropy = self.actor.compute_log_probs(
-            batch.select(rows).trimmed(), temperature, num_mini_batches, reference
-        )
+        :meth:`train` gets with the same ``num_mini_batches``, in the same micro-batches.
+        ``routing``: those rows' routing records, sent apart (:meth:`ActorGroup._put`)."""
+        rows, shard = self._share(batch, num_mini_batches, routing)
+        log_probs, entropy = self.actor.compute_log_probs(shard.trimmed(), temperature, num_mini_batches, reference)
         if self.info.tp_rank == 0 and self.info.pp_rank == 0:
             return rows, log_probs, entropy
         return None
 
-    def train(self, batch: PolicyBatch, num_mini_batches: int, temperature: float) -> list[dict]:
+    def train(
+        self, batch: PolicyBatch, num_mini_batches: int, temperature: float, routing: Optional[tuple] = None
+    ) -> list[dict]:
         """DAPO updates on this rank's share of ``batch``; metrics are equal on every rank."""
-        from dapo_megatron.actor.batch import shard_for_data_parallel
-
-        dp_size = self.actor.dp_group.size()
-        shard = shard_for_data_parallel(batch, self.info.dp_rank, dp_size, num_mini_batches)
+        _, shard = self._share(batch, num_mini_batches, routing)
         return self.actor.train(shard, num_mini_batches, temperature)
+
+    def _share(self, batch: PolicyBatch, num_mini_batches: int, routing: Optional[tuple]):
+        """This data-parallel rank's rows of ``batch`` and the batch of them, with their
+        routing records when they came apart."""
+        from dapo_megatron.actor.batch import data_parallel_rows
+
+        rows = data_parallel_rows(batch, self.info.dp_rank, self.actor.dp_group.size(), num_mini_batches)
+        shard = batch.select(rows)
+        if routing is not None:
+            shard.routed_experts, shard.routed_lengths = routing
+        return rows, shard
 
     def save(
         self,
@@ -602,9 +613,12 @@ class ActorGroup:
         """``[batch, seq]`` log-probs and entropies of the loss tokens, reassembled; computed
         in the micro-batches of :meth:`train` with the same ``num_mini_batches``; under the
         KL penalty's reference policy with ``reference``."""
-        ref = ray.put(batch)
+        ref, routing = self._put(batch, num_mini_batches)
         parts = call_all(
-            [r.compute_log_probs.remote(ref, temperature, num_mini_batches, reference) for r in self.ranks],
+            [
+                r.compute_log_probs.remote(ref, temperature, num_mini_batches, reference, routing[i])
+                for i, r in enumerate(self.ranks)
+            ],
             "an actor rank",
             self.names,
         )
@@ -621,10 +635,31 @@ class ActorGroup:
 
     def train(self, batch: PolicyBatch, num_mini_batches: int, temperature: float) -> list[dict[str, float]]:
         """One rollout step of DAPO updates; each update's metrics."""
-        ref = ray.put(batch)
+        ref, routing = self._put(batch, num_mini_batches)
         return call_all(
-            [r.train.remote(ref, num_mini_batches, temperature) for r in self.ranks], "an actor rank", self.names
+            [r.train.remote(ref, num_mini_batches, temperature, routing[i]) for i, r in enumerate(self.ranks)],
+            "an actor rank",
+            self.names,
         )[0]
+
+    def _put(self, batch: PolicyBatch, num_mini_batches: int) -> tuple:
+        """``batch`` in Ray's object store for every rank, and for each rank the routing
+        records of its data-parallel replica's rows apart (None without records): records
+        are ``moe_layers x k`` bytes a token, the bulk of a batch, and a rank needs only its
+        replica's share."""
+        if batch.routed_experts is None:
+            return ray.put(batch), [None] * len(self.ranks)
+        from dataclasses import replace
+
+        from dapo_megatron.actor.batch import data_parallel_rows
+
+        dp_size = max(info["dp_rank"] for info in self.infos) + 1
+        by_replica = {}
+        for dp_rank in range(dp_size):
+            rows = data_parallel_rows(batch, dp_rank, dp_size, num_mini_batches)
+            by_replica[dp_rank] = ray.put((batch.routed_experts[rows], batch.routed_lengths[rows]))
+        light = replace(batch, routed_experts=None, routed_lengths=None)
+        return ray.put(light), [by_replica[info["dp_rank"]] for info in self.infos]
 
     def save(
         self,

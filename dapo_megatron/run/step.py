@@ -42,6 +42,7 @@ from dapo_megatron.sampling.samples import (
     Sample,
     build_policy_batch,
     engine_log_prob_grid,
+    mask_unreplayed_loss_tokens,
 )
 from dapo_megatron.weight_sync.bucket import SyncStats
 
@@ -177,6 +178,20 @@ class StepRunner:
         self.engines_behind = False
         return stats
 
+    def _replayable(self, batch) -> dict[str, float]:
+        """Under ``model.routing_replay: rollout``, the batch's loss tokens that its routing
+        records do not reach taken out of the loss (:func:`mask_unreplayed_loss_tokens`),
+        counted; a batch without any record (an engine that returned none) is refused."""
+        if self.config.model.routing_replay != "rollout":
+            return {}
+        if batch.routed_experts is None:
+            raise RuntimeError(
+                "model.routing_replay=rollout, but the engines returned no routed experts for this step's batch "
+                "(an SGLang engine needs enable_return_routed_experts: started by this trainer with it; a "
+                "transformers model needs routers at mlp.gate); set model.routing_replay=off to train without replay"
+            )
+        return {"moe/unreplayed_loss_tokens": float(mask_unreplayed_loss_tokens(batch))}
+
     def step(self, step: int, generate_ahead: bool) -> dict[str, float]:
         """One step; its metrics, with each phase's seconds (``time/<phase>``), the whole
         call's (``time/step``, metrics included) and, in sync mode, the part in no phase
@@ -207,6 +222,7 @@ class StepRunner:
 
         # 5. Advantages by prompt identity; old log-probs; DAPO updates.
         batch = build_policy_batch(samples, a)
+        replay_metrics = self._replayable(batch)
         num_updates = d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size
         rollout_log_probs = engine_log_prob_grid(samples, batch)  # [batch, seq]
         # Release the engines' memory for training (colocated); not while they generate ahead.
@@ -275,6 +291,7 @@ class StepRunner:
             **rollout_metrics,
             **_step_metrics(samples, batch, rollout_log_probs, entropy, updates, sync, times),
             **correction_metrics,
+            **replay_metrics,
             "staleness/mean": sum(staleness) / len(staleness),
             "staleness/max": float(max(staleness)),
         }

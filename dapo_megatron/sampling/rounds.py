@@ -32,6 +32,7 @@ from dapo_megatron.sampling.samples import (
     reward_results,
     samples_from_generations,
     samples_from_trajectories,
+    without_routing,
 )
 from dapo_megatron.sampling.streaming import StreamingSampler
 
@@ -142,7 +143,9 @@ class RoundSampler(Sampler):
             generated_tokens += sum(len(s.response_ids) if s.model_mask is None else sum(s.model_mask) for s in samples)
             episodes += [s.episode for s in samples if s.episode is not None]
             dropped += [
-                (group, "aborted") for group in _groups(samples) if any(s.finish_reason == "abort" for s in group)
+                (without_routing(group), "aborted")
+                for group in _groups(samples)
+                if any(s.finish_reason == "abort" for s in group)
             ]
             samples, round_aborted = drop_aborted_groups(samples)
             aborted += round_aborted
@@ -153,7 +156,9 @@ class RoundSampler(Sampler):
             groups += len(round_groups)
             all_equal += len(equal)
             if a.dynamic_sampling:
-                dropped += [(group, "all_right" if group[0].correct else "all_wrong") for group in equal]
+                dropped += [
+                    (without_routing(group), "all_right" if group[0].correct else "all_wrong") for group in equal
+                ]
             round_index += 1
             accumulator.add(samples, [float(s.correct) for s in samples])
         kept, _, sampling_metrics = accumulator.take()

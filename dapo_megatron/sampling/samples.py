@@ -129,6 +129,15 @@ def samples_from_trajectories(
     ]
 
 
+def without_routing(group: list[Sample]) -> list[Sample]:
+    """``group`` with its routing records let go: a group that is not trained is kept for
+    the rollout records only, which do not hold them (they are the largest part of a
+    sample at scale: ``moe_layers x k`` bytes a token)."""
+    for sample in group:
+        sample.routed_experts = None
+    return group
+
+
 def drop_aborted_groups(samples: list[Sample]) -> tuple[list[Sample], int]:
     """The samples of the groups in which no response was aborted by the engine (an
     aborted response has no reward to learn from, and a group without it would get
@@ -198,6 +207,24 @@ def build_policy_batch(samples: list[Sample], algorithm: AlgorithmConfig) -> Pol
     if any(record is not None for record in records):
         batch.routed_experts, batch.routed_lengths = routing_grid(records, width)
     return batch
+
+
+def mask_unreplayed_loss_tokens(batch: PolicyBatch) -> int:
+    """Rollout routing replay: take out of the loss every loss token whose distribution
+    the actor would compute through a position the routing record does not cover (its
+    routers there take stand-in experts): a row whose engine answer carried no record, or
+    one cut short. A full record covers every position that predicts a loss token, and
+    nothing is taken out. How many loss tokens were."""
+    if batch.routed_experts is None:
+        return 0
+    positions = torch.arange(batch.tokens.shape[1])
+    # The token at t is predicted from positions 0..t-1: routed when t - 1 < the record's length.
+    outside = positions[None, :] > batch.routed_lengths[:, None]
+    mask = batch.response_mask()
+    dropped = int((mask * outside).sum())
+    if dropped:
+        batch.loss_mask = mask * ~outside
+    return dropped
 
 
 def routing_grid(records: list[Optional[np.ndarray]], width: int) -> tuple[torch.Tensor, torch.Tensor]:

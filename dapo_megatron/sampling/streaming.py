@@ -58,6 +58,7 @@ from dapo_megatron.sampling.samples import (
     reward_results,
     samples_from_record,
     samples_record,
+    without_routing,
 )
 
 KEY_STEP_SHIFT = 32
@@ -174,7 +175,7 @@ class StreamingSampler(Sampler):
             lag = version - min(s.policy_version for s in group)
             if lag > r.max_staleness:
                 c.dropped_stale_groups += 1
-                self._dropped_now.append((group, "stale"))
+                self._dropped_now.append((without_routing(group), "stale"))
                 continue
             kept.append(group)
             c.carried_in += 1
@@ -266,7 +267,7 @@ class StreamingSampler(Sampler):
         if r.carry_over:
             self.carried = surplus
         else:
-            self._dropped_now += [(group, "surplus") for group in surplus]
+            self._dropped_now += [(without_routing(group), "surplus") for group in surplus]
         self.dropped[step] = self._dropped_now
         batch = [sample for group in batch_groups for sample in group]
         c.kept_new = len(kept) - c.carried_in
@@ -355,7 +356,7 @@ class StreamingSampler(Sampler):
         for group in (self._samples_of(item) for item in items):
             if any(s.finish_reason == "abort" for s in group):  # the engine gave up on it: not scored
                 c.engine_aborted += sum(s.finish_reason == "abort" for s in group)
-                self._dropped_now.append((group, "aborted"))
+                self._dropped_now.append((without_routing(group), "aborted"))
                 continue
             groups.append(group)
         if not groups:
@@ -376,7 +377,7 @@ class StreamingSampler(Sampler):
             if len(outcomes) == 1:
                 c.all_equal += 1
                 if self.algorithm.dynamic_sampling:
-                    self._dropped_now.append((group, "all_right" if group[0].correct else "all_wrong"))
+                    self._dropped_now.append((without_routing(group), "all_right" if group[0].correct else "all_wrong"))
                     continue
             kept.append(group)
         return kept

@@ -361,22 +361,47 @@ def bf16_step(workdir: str, tp_size: int, pp_size: int, dp_size: int) -> None:
             torch.save(batch, os.path.join(workdir, "bf16_batch.pt"))
 
 
+def transformers_routing(batch, hf_dir: str) -> None:
+    """Give ``batch`` the routing record transformers' own model (fp32) makes of each row,
+    as the transformers engine records it (``rollout/routed_experts.py``)."""
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.rollout.routed_experts import RoutingRecorder
+    from dapo_megatron.sampling.samples import routing_grid
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    records = []
+    for row, length in enumerate(batch.seq_lengths.tolist()):
+        recorder = RoutingRecorder(model, 1)
+        with recorder, torch.no_grad():
+            model(input_ids=batch.tokens[row : row + 1, :length])
+        records.append(recorder.columns()[0][: length - 1])
+    batch.routed_experts, batch.routed_lengths = routing_grid(records, batch.tokens.shape[1])
+
+
 def routing_against_a_record(workdir: str) -> None:
-    """One DAPO step of a Qwen3-MoE actor on :func:`reference_batch` carrying a random
-    routing record, under ``model.routing_replay`` ``measure`` and ``rollout``: each
-    setting's first update's metrics in ``routing_{setting}.pt``."""
+    """One DAPO step of a Qwen3-MoE actor on :func:`reference_batch` carrying a routing
+    record: transformers' own routing under ``measure`` (``own``), a random one under
+    ``measure`` and ``rollout``, and a random one cut short in one row under ``rollout``
+    (``short``): each case's update metrics in ``routing_{case}.pt``."""
     from dapo_megatron.config import moe_layers
     from tests.distributed.actor_worker import set_family
 
     cfg = actor_config(1, 1, vocab_size=VOCAB, micro_batch_max_tokens=24, lr=1e-2)
     set_family(cfg, "qwen3_moe")
     with megatron_runtime(cfg.parallel, seed=cfg.trainer.seed) as info:
-        for setting in ("measure", "rollout"):
+        for case, setting in (("own", "measure"), ("measure", "measure"), ("rollout", "rollout"), ("short", "rollout")):
             cfg.model.routing_replay = setting
             actor = MegatronActor(cfg.model, cfg.parallel, cfg.trainer, cfg.algorithm, info)
             load_hf_model_weights(actor, os.path.join(workdir, "hf_tied0"))
             batch = reference_batch()
-            random_routing(batch, sum(moe_layers(cfg.model)), cfg.model.num_experts, cfg.model.moe_router_topk)
+            if case == "own":
+                transformers_routing(batch, os.path.join(workdir, "hf_tied0"))
+            else:
+                random_routing(batch, sum(moe_layers(cfg.model)), cfg.model.num_experts, cfg.model.moe_router_topk)
+            if case == "short":
+                batch.routed_lengths[0] = batch.prompt_lengths[0] + 1  # two of its response's positions routed
             batch.old_log_probs = old_log_probs_as_trained(actor, batch, 0, 1)
             metrics = actor.train(batch, num_mini_batches=NUM_MINI_BATCHES)
-            torch.save([update.as_dict() for update in metrics], os.path.join(workdir, f"routing_{setting}.pt"))
+            saved = {"metrics": [update.as_dict() for update in metrics], "batch": batch}
+            torch.save(saved, os.path.join(workdir, f"routing_{case}.pt"))

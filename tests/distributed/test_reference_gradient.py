@@ -264,14 +264,10 @@ def test_dapo_gradients_equal_an_independent_float64_reference(
             assert int(holes.sum()) == 2 * sum(int(n) >= 5 for n in batch.response_lengths)
             _assert_training_observations_is_far(tmp_path, stages, batch, f"hf_tied{int(tied)}", tied)
         if replay:
-            # Every response token is replayed but each row's last, which the engine never fed.
-            rows = batch.num_rows // reference_worker.NUM_MINI_BATCHES
-            mask = batch.response_mask()[:rows]
-            routed = torch.arange(mask.shape[1]) < batch.routed_lengths[:rows, None]
-            expected = float((mask * routed).sum().double() / mask.sum().double())
-            assert expected < 1.0 and stages[-1]["metrics"][0]["moe_replayed_share"] == pytest.approx(
-                expected, abs=1e-12
-            )
+            # Every position that predicts a loss token is replayed (the last token, which
+            # the engine never fed, predicts none).
+            assert all(m["moe_replayed_share"] == 1.0 for m in stages[-1]["metrics"])
+            assert all(m["moe_routing_changed_engine"] == 0.0 for m in stages[-1]["metrics"])
             _assert_routing_on_its_own_is_far(tmp_path, stages, batch, f"hf_tied{int(tied)}", tied)
 
 
@@ -466,20 +462,34 @@ def test_moe_negative_controls_are_far_from_the_reference(tmp_path):
 
 
 def test_the_actor_reports_routing_that_differs_from_the_engines_and_replays_it(tmp_path):
-    """A batch whose record routes every position to random experts: under ``measure``
-    the actor routes on its own and reports most positions routed elsewhere (two random
-    experts of four match a router's top-2 one time in six), under ``rollout`` it
-    replays them: 0, in every update."""
+    """The record of transformers' own routing of each row (what the transformers engine
+    returns) under ``measure``: the actor routes every position as it does (0 changed:
+    the record's positions are the actor's). A record of random experts: under
+    ``measure`` most positions routed elsewhere (two random experts of four match a
+    router's top-2 one time in six), under ``rollout`` replayed (0, in every update), every
+    position that predicts a loss token; with one row's record cut short, the share of
+    those positions replayed is what the record covers."""
     model = tiny_hf_model("qwen3_moe", False, seed=SEEDS["qwen3_moe"], attn_implementation="eager")
     _randomize_biases(model)
     model.save_pretrained(tmp_path / "hf_tied0")
     launch_local(reference_worker.routing_against_a_record, 1, (str(tmp_path),))
-    measured, replayed = (torch.load(tmp_path / f"routing_{s}.pt") for s in ("measure", "rollout"))
-    assert all(0.5 < update["moe_routing_changed_engine"] < 1.0 for update in measured)
-    assert "moe_replayed_share" not in measured[0]
-    assert all(update["moe_routing_changed_engine"] == 0.0 for update in replayed)
-    assert all(update["moe_routing_changed"] == 0.0 for update in replayed)
-    assert 0.5 < replayed[0]["moe_replayed_share"] < 1.0
+    own, measured, replayed, short = (
+        torch.load(tmp_path / f"routing_{case}.pt", weights_only=False)
+        for case in ("own", "measure", "rollout", "short")
+    )
+    assert own["metrics"][0]["moe_routing_changed_engine"] == 0.0
+    assert all(0.5 < update["moe_routing_changed_engine"] < 1.0 for update in measured["metrics"])
+    assert "moe_replayed_share" not in measured["metrics"][0]
+    assert all(update["moe_routing_changed_engine"] == 0.0 for update in replayed["metrics"])
+    assert all(update["moe_routing_changed"] == 0.0 for update in replayed["metrics"])
+    assert replayed["metrics"][0]["moe_replayed_share"] == 1.0
+    batch = short["batch"]
+    rows = batch.num_rows // reference_worker.NUM_MINI_BATCHES
+    mask = batch.response_mask()[:rows]
+    predicted_from = torch.arange(mask.shape[1]) - 1  # the position each token's log-prob is computed at
+    covered = (predicted_from[None, :] < batch.routed_lengths[:rows, None]).double()
+    expected = float((mask * covered).sum() / mask.sum())
+    assert expected < 1.0 and short["metrics"][0]["moe_replayed_share"] == pytest.approx(expected, abs=1e-12)
 
 
 BF16_UNIT_ROUNDOFF = 2.0**-9

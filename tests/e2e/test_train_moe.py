@@ -85,7 +85,7 @@ def test_moe_at_ep2_with_routing_replay_through_partial_episodes_resumes_exactly
         assert got[step] == expected[step], step
     for step in expected.values():
         assert step["moe/routing_changed_engine"] == 0.0 and step["moe/routing_changed"] == 0.0
-        assert 0.5 < step["moe/replayed_share"] < 1.0  # each response's last token is not replayed
+        assert step["moe/replayed_share"] == 1.0 and step["moe/unreplayed_loss_tokens"] == 0.0
         assert math.isfinite(step["moe/load_balancing_loss"]) and step["moe/tokens_per_expert_max_over_mean"] >= 1
         assert step["episode/turns_mean"] >= 1
     # The engine (transformers' fused experts) and the actor (megatron's sequential ones)

@@ -13,6 +13,7 @@ own timer fires up to 30 s early, which would make the moment a matter of luck.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -193,7 +194,17 @@ def _preemption(grace_time: int) -> dict:
         # The trainer saves within the grace time (a few seconds here).
         pytest.param("cgroup", marks=pytest.mark.slurm_config(proctrack="cgroup", **_preemption(30))),
         # Ray dies with the preemption's SIGTERM, nothing can be saved: the grace only delays the requeue.
-        pytest.param("linuxproc", marks=pytest.mark.slurm_config(proctrack="linuxproc", **_preemption(10))),
+        # (About a minute on 2 cores: outside the 15-minute suite, `make test-slurm-extended`.)
+        pytest.param(
+            "linuxproc",
+            marks=[
+                pytest.mark.slurm_config(proctrack="linuxproc", **_preemption(10)),
+                pytest.mark.skipif(
+                    not os.environ.get("DAPO_TEST_SLURM_EXTENDED"),
+                    reason="the linuxproc preemption runs with DAPO_TEST_SLURM_EXTENDED=1 (make test-slurm-extended)",
+                ),
+            ],
+        ),
     ],
 )
 def test_a_preemption_requeues_and_resumes(slurm, task, tmp_path, uninterrupted, proctrack):

@@ -119,3 +119,49 @@ def test_the_record_travels_with_the_sample_into_the_batch_and_through_a_save(tm
     assert batch.routed_experts.dtype == torch.uint8
     trimmed = batch.select([0]).trimmed()
     assert tuple(trimmed.routed_experts.shape) == (1, 5, 2, 2)
+
+
+def test_loss_tokens_the_record_does_not_reach_are_taken_out_of_the_loss():
+    """Under rollout replay a loss token is computed from the position before it: one the
+    record does not cover would take stand-in experts. A full record (every position but
+    the last) reaches every loss token; a record cut short, or none, takes the rest out."""
+    from dapo_megatron.actor.batch import PolicyBatch
+    from dapo_megatron.sampling.samples import mask_unreplayed_loss_tokens
+
+    def batch(lengths):
+        tokens = torch.zeros(2, 8, dtype=torch.long)
+        grid = torch.zeros(2, 8, 2, 2, dtype=torch.uint8)
+        return PolicyBatch(
+            tokens,
+            torch.tensor([3, 2]),
+            torch.tensor([4, 6]),
+            routed_experts=grid,
+            routed_lengths=torch.tensor(lengths),
+        )
+
+    full = batch([6, 7])
+    assert mask_unreplayed_loss_tokens(full) == 0 and full.loss_mask is None
+    short = batch([4, 0])  # row 0 reaches tokens 3..4 of its 3..6; row 1 none of 2..7
+    assert mask_unreplayed_loss_tokens(short) == 2 + 6
+    assert short.loss_mask[0].tolist() == [0, 0, 0, 1, 1, 0, 0, 0] and not short.loss_mask[1].any()
+
+
+def test_plan_counts_the_records_on_the_driver_and_on_each_rank():
+    """``plan``'s bound for the Qwen3-30B-A3B recipe: 48 MoE layers x top 8, a byte per id
+    (128 experts); every response at its longest; the driver holds the kept batch and a
+    round, an actor rank its replica's share of the kept batch."""
+    from dapo_megatron.config import load_config
+    from dapo_megatron.plan import format_plan, make_plan, routing_record_bytes
+    from tests.e2e.conftest import REPO
+
+    recipe = REPO / "examples/qwen3_30b_a3b/dapo.yaml"
+    assert routing_record_bytes(load_config(recipe)) == (0, 0, 0)  # off: nothing recorded
+    config = load_config(recipe, ["model.routing_replay=rollout"])
+    r, d = config.rollout, config.data
+    sequence = 384 * r.n_samples_per_prompt * (r.max_prompt_length + r.max_response_length)
+    expected = (384, sequence * (d.train_batch_size + d.gen_batch_size))
+    expected += (sequence * d.train_batch_size // config.parallel.data_parallel_size,)
+    assert routing_record_bytes(config) == expected
+    assert "routing records (model.routing_replay=rollout): 384 bytes per token" in format_plan(
+        make_plan(config, suggest=False)
+    )
