@@ -68,6 +68,18 @@ class _MicroBatch:
         return self.loss_mask if self.token_loss_mask is None else self.token_loss_mask
 
 
+def _route(routing, index: int, mb: _MicroBatch) -> None:
+    """Tell the routers' monitor (``actor/routing.py``) the micro-batch about to run."""
+    routing.micro_batch(
+        index,
+        mb.tokens,
+        mb.input_loss_mask,
+        filler=mb.rows.numel() == 0,
+        engine_experts=mb.engine_experts,
+        engine_routed=mb.engine_routed,
+    )
+
+
 class MegatronActor:
     """Policy model of the DAPO trainer on one rank.
 
@@ -467,14 +479,7 @@ class MegatronActor:
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
             if routing is not None:
-                routing.micro_batch(
-                    next(index),
-                    mb.tokens,
-                    mb.input_loss_mask,
-                    filler=mb.rows.numel() == 0,
-                    engine_experts=mb.engine_experts,
-                    engine_routed=mb.engine_routed,
-                )
+                _route(routing, next(index), mb)
             hidden = self._forward(model, mb)
 
             def loss_func(output):
@@ -619,14 +624,7 @@ class MegatronActor:
         def forward_step(data_iterator: Iterator[_MicroBatch], model):
             mb = next(data_iterator)
             if routing is not None:
-                routing.micro_batch(
-                    next(index),
-                    mb.tokens,
-                    mb.input_loss_mask,
-                    filler=mb.rows.numel() == 0,
-                    engine_experts=mb.engine_experts,
-                    engine_routed=mb.engine_routed,
-                )
+                _route(routing, next(index), mb)
             hidden = self._forward(model, mb)
             if routing is not None:
                 routing.again_in_backward(hidden)
