@@ -583,7 +583,10 @@ def routing_record_bytes(config: Config) -> tuple[int, int, int]:
     of one or two bytes); on the driver, the kept batch (``train_batch_size`` prompts) and
     the round being generated and scored (``gen_batch_size``) or, streamed, the groups in
     flight and carried (``max_prompts_in_flight`` each; dropped groups let go of theirs);
-    on an actor rank, its data-parallel replica's share of the kept batch."""
+    on an actor rank, its data-parallel replica's share of the kept batch. Each three
+    times over, for the copies that live at once: on the driver the samples' own records,
+    the batch's padded grid and the share sent to each replica; on a rank its share, the
+    mini-batches split from it and the micro-batches' grids."""
     from dapo_megatron.config import engine_routing, moe_layers
     from dapo_megatron.rollout.routed_experts import bytes_per_token
 
@@ -594,7 +597,13 @@ def routing_record_bytes(config: Config) -> tuple[int, int, int]:
     round_prompts = d.gen_batch_size or d.train_batch_size
     prompts = d.train_batch_size + ((r.max_prompts_in_flight or round_prompts) * 2 if r.streaming else round_prompts)
     sequence = per_token * r.n_samples_per_prompt * (r.max_prompt_length + r.max_response_length)
-    return per_token, sequence * prompts, sequence * d.train_batch_size // config.parallel.data_parallel_size
+    copies = 3
+    kept = sequence * d.train_batch_size
+    return (
+        per_token,
+        copies * kept + sequence * (prompts - d.train_batch_size),
+        copies * kept // config.parallel.data_parallel_size,
+    )
 
 
 @dataclass

@@ -204,7 +204,9 @@ class RoutingMonitor:
     def _replayed_experts(self, current: _Current, layer_number: int) -> Optional[torch.Tensor]:
         if current.filler or self.mode is None:
             return None
-        if self.replay == "rollout" and current.engine_experts is not None:
+        if self.replay == "rollout" and current.engine_experts is not None and bool(current.engine_routed.any()):
+            # (A micro-batch without any recorded position routes on its own: none of its
+            # tokens is in the loss, and its router losses then see real routing.)
             return current.engine_experts[:, self.ordinal[layer_number]].long()
         if self.replay == "old" and self.mode == "compare":
             experts = self.old_experts.get((current.index, layer_number - 1))

@@ -215,14 +215,16 @@ class StepRunner:
                 self.abandoned = before
                 raise
         staleness = check_staleness(samples, self.version, step, allowed_staleness(config))
+        # 5. Advantages by prompt identity (and, under routing replay, the loss tokens its
+        # records reach): before anything runs ahead, so that a refusal leaves nothing behind.
+        batch = build_policy_batch(samples, a)
+        replay_metrics = self._replayable(batch)
         pending, before_ahead = None, None
         if self.asynchronous and generate_ahead and stop.signal_name is None:
             before_ahead = RunState(self.loader.state_dict(), None, None)
             pending = _in_background(self._generate, step + 1)
 
-        # 5. Advantages by prompt identity; old log-probs; DAPO updates.
-        batch = build_policy_batch(samples, a)
-        replay_metrics = self._replayable(batch)
+        # Old log-probs; DAPO updates.
         num_updates = d.train_batch_size * r.n_samples_per_prompt // d.mini_batch_size
         rollout_log_probs = engine_log_prob_grid(samples, batch)  # [batch, seq]
         # Release the engines' memory for training (colocated); not while they generate ahead.

@@ -159,8 +159,9 @@ def test_plan_counts_the_records_on_the_driver_and_on_each_rank():
     config = load_config(recipe, ["model.routing_replay=rollout"])
     r, d = config.rollout, config.data
     sequence = 384 * r.n_samples_per_prompt * (r.max_prompt_length + r.max_response_length)
-    expected = (384, sequence * (d.train_batch_size + d.gen_batch_size))
-    expected += (sequence * d.train_batch_size // config.parallel.data_parallel_size,)
+    # Three copies of the kept batch live at once (see routing_record_bytes), one of the round.
+    expected = (384, sequence * (3 * d.train_batch_size + d.gen_batch_size))
+    expected += (3 * sequence * d.train_batch_size // config.parallel.data_parallel_size,)
     assert routing_record_bytes(config) == expected
     assert "routing records (model.routing_replay=rollout): 384 bytes per token" in format_plan(
         make_plan(config, suggest=False)
