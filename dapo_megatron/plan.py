@@ -567,13 +567,14 @@ def _sync_and_save_bytes(config: Config, params_per_gpu: int, engine: str) -> di
 def estimate_host_memory(config: Config, memory: MemoryEstimate) -> HostEstimate:
     """The CPU runtime's memory on one machine; ``memory`` is one rank's estimate."""
     p, r = config.parallel, config.rollout
+    _, driver_records, rank_records = routing_record_bytes(config)
     return HostEstimate(
         ranks=p.num_devices_per_node,
         rank_bytes=memory.train_phase,
         engines=-(-r.num_engines // p.num_nodes),
         engine_bytes=memory.hf_engine + CPU_PROCESS_BYTES,
         available=machine_memory_bytes(),
-        routing_records=routing_record_bytes(config)[1] + p.num_devices_per_node * routing_record_bytes(config)[2],
+        routing_records=driver_records + p.num_devices_per_node * rank_records,
     )
 
 

@@ -61,6 +61,7 @@ class _MicroBatch:
     padding_mask: Optional[torch.Tensor] = None  # [b, L] bool, MoE: True where the routers' losses must not look
     engine_experts: Optional[torch.Tensor] = None  # [b, L, moe_layers, k] the engine's routing (arange(k) elsewhere)
     engine_routed: Optional[torch.Tensor] = None  # [b, L] bool: the positions the engine routed
+    engine_routed_any: bool = False  # whether it routed any (known on the host: no device sync per router)
 
     @property
     def input_loss_mask(self) -> torch.Tensor:
@@ -77,6 +78,7 @@ def _route(routing, index: int, mb: _MicroBatch) -> None:
         filler=mb.rows.numel() == 0,
         engine_experts=mb.engine_experts,
         engine_routed=mb.engine_routed,
+        engine_routed_any=mb.engine_routed_any,
     )
 
 
@@ -316,11 +318,17 @@ class MegatronActor:
             covered = min(int(batch.routed_lengths[index]), length)
             experts[row, offset : offset + covered] = batch.routed_experts[index, :covered]
             routed[row, offset : offset + covered] = True
-        if self.model_config.routing_replay == "rollout" and bool((real & routed).any()):
+        routed_any = bool(routed.any())
+        if self.model_config.routing_replay == "rollout" and routed_any:
             # (A micro-batch without any routed position keeps its tokens in the losses:
             # megatron's load-balancing loss divides by the count of the others.)
             out["padding_mask"] = (~(real & routed)).to(self.device)
-        return {**out, "engine_experts": experts.to(self.device), "engine_routed": routed.to(self.device)}
+        return {
+            **out,
+            "engine_experts": experts.to(self.device),
+            "engine_routed": routed.to(self.device),
+            "engine_routed_any": routed_any,
+        }
 
     def _forward(self, model, mb: _MicroBatch) -> torch.Tensor:
         """``model`` (the wrapped ``gpt``) on ``mb``'s tokens: hidden states ``[b, L, h]``."""

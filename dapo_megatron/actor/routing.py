@@ -72,6 +72,7 @@ class _Current:
     engine_experts: Optional[torch.Tensor] = None  # [tokens, moe_layers, k] the engine's routing
     engine_routed: Optional[torch.Tensor] = None  # [tokens] bool: the positions the engine routed
     predicting: Optional[torch.Tensor] = None  # [tokens] bool: the positions whose output is a loss token's log-prob
+    engine_routed_any: bool = False  # the engine routed some position of it (on any rank's part)
 
 
 def _tracker() -> dict:
@@ -159,11 +160,12 @@ class RoutingMonitor:
         filler: bool = False,
         engine_experts: Optional[torch.Tensor] = None,
         engine_routed: Optional[torch.Tensor] = None,
+        engine_routed_any: bool = False,
     ) -> None:
         """The micro-batch about to run (``index``: its place in the step's order): its
         tokens, which of them are response tokens, whether it is a filler and, when the
-        batch carries it, the engine's routing (``[b, L, moe_layers, k]``) and which
-        positions it covers; sets the router losses' coefficients and the experts to
+        batch carries it, the engine's routing (``[b, L, moe_layers, k]``), which
+        positions it covers and whether it covers any; sets the router losses' coefficients and the experts to
         replay for it."""
         predicting = torch.zeros_like(loss_mask)
         predicting[:, :-1] = loss_mask[:, 1:]  # position p gives the log-prob of token p + 1
@@ -176,6 +178,7 @@ class RoutingMonitor:
                 None if engine_experts is None else self._router_order(engine_experts),
                 None if engine_routed is None else self._router_order(engine_routed),
                 self._router_order(predicting).bool(),
+                engine_routed_any,
             )
         )
 
@@ -187,6 +190,8 @@ class RoutingMonitor:
 
     def _set_replay(self, current: Optional[_Current]) -> None:
         """Each router's replay for ``current``: the experts it takes, or its own top-k."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
         for router in self.routers:
             replay = router.router_replay
             if replay is None:
@@ -196,15 +201,13 @@ class RoutingMonitor:
             if experts is None:
                 replay.clear_router_replay_action()
             else:
-                from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
                 replay.set_target_indices(experts)
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _replayed_experts(self, current: _Current, layer_number: int) -> Optional[torch.Tensor]:
         if current.filler or self.mode is None:
             return None
-        if self.replay == "rollout" and current.engine_experts is not None and bool(current.engine_routed.any()):
+        if self.replay == "rollout" and current.engine_experts is not None and current.engine_routed_any:
             # (A micro-batch without any recorded position routes on its own: none of its
             # tokens is in the loss, and its router losses then see real routing.)
             return current.engine_experts[:, self.ordinal[layer_number]].long()

@@ -536,9 +536,7 @@ class SGLangRolloutEngine(RolloutEngine):
             if self._stream_params_route:
                 prompt = len(self._stream_groups[key].prompt_ids)
                 positions = prompt + len(row.token_ids) - 1
-                row.routed_experts = routed_experts.cut(
-                    routed_experts.extended(row.routed_experts, self._routed_experts(meta, positions)), positions
-                )
+                row.routed_experts = routed_experts.extended(row.routed_experts, self._routed_experts(meta, positions))
             reason = finish_reason_of(meta)
             if not (aborting and reason == "abort"):
                 row.finish_reason = reason
